@@ -1,0 +1,175 @@
+"""Declaring a singleton: the configuration, its validation and key derivation (SPEC §2)."""
+
+from __future__ import annotations
+
+import inspect
+import string
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from .errors import SingletonConfigError, SingletonKeyError
+
+MAX_KEY_LENGTH = 512
+
+KeySpec = Union[str, Callable[..., object]]
+
+
+@dataclass(frozen=True)
+class SingletonConfig:
+    """How a task's runs are keyed and how many of a key may be in flight at once."""
+
+    key: KeySpec
+    limit: int = 1
+    max_queue_depth: int | None = None
+    scope: str | None = None
+    lease: float | None = None
+    orphan_timeout: float | None = field(default=None)
+    # ``orphan_timeout=None`` means "the worker's default"; DISABLED turns eviction off.
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.key, str) or callable(self.key)):
+            raise SingletonConfigError(
+                f"singleton key must be a str template or a callable, got {self.key!r}"
+            )
+        if isinstance(self.key, str) and not self.key:
+            raise SingletonConfigError("singleton key template must not be empty")
+        if isinstance(self.key, str):
+            _template_fields(self.key)  # raises on a malformed template
+        if not _is_int(self.limit) or self.limit < 1:
+            raise SingletonConfigError(f"singleton limit must be an int >= 1, got {self.limit!r}")
+        if self.max_queue_depth is not None and (
+            not _is_int(self.max_queue_depth) or self.max_queue_depth < 0
+        ):
+            raise SingletonConfigError(
+                f"singleton max_queue_depth must be None or an int >= 0, got {self.max_queue_depth!r}"
+            )
+        if self.scope is not None and (not isinstance(self.scope, str) or not self.scope):
+            raise SingletonConfigError(f"singleton scope must be a non-empty str, got {self.scope!r}")
+        for name in ("lease", "orphan_timeout"):
+            value = getattr(self, name)
+            if value is not None and value is not DISABLED and (
+                not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0
+            ):
+                raise SingletonConfigError(f"singleton {name} must be a positive number, got {value!r}")
+
+    @classmethod
+    def coerce(cls, value: object, *, task_name: str) -> SingletonConfig:
+        """Accept a ``SingletonConfig`` or the dict form of a framework option."""
+        if isinstance(value, SingletonConfig):
+            return value
+        if isinstance(value, Mapping):
+            unknown = set(value) - _FIELDS
+            if unknown:
+                raise SingletonConfigError(
+                    f"{task_name}: unknown singleton option(s) {sorted(unknown)}; "
+                    f"known: {sorted(_FIELDS)}"
+                )
+            if "key" not in value:
+                raise SingletonConfigError(f"{task_name}: singleton option needs a 'key'")
+            try:
+                return cls(**dict(value))
+            except SingletonConfigError as error:
+                raise SingletonConfigError(f"{task_name}: {error}") from None
+        raise SingletonConfigError(
+            f"{task_name}: singleton option must be a dict or SingletonConfig, got {value!r}"
+        )
+
+
+class _Disabled(float):
+    """Marker for ``orphan_timeout=DISABLED``: never evict (SPEC §6 ``orphan_timeout=None``)."""
+
+    def __repr__(self) -> str:
+        return "DISABLED"
+
+
+DISABLED: float = _Disabled("inf")
+
+_FIELDS = {"key", "limit", "max_queue_depth", "scope", "lease", "orphan_timeout"}
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _template_fields(template: str) -> list[str]:
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as error:
+        raise SingletonConfigError(f"malformed key template {template!r}: {error}") from None
+    names = []
+    for _literal, field_name, _spec, _conversion in parsed:
+        if field_name is None:
+            continue
+        root = field_name.split(".", 1)[0].split("[", 1)[0]
+        if not root or root.isdigit():
+            raise SingletonConfigError(
+                f"key template {template!r} must name arguments, not positions ({{{field_name}}})"
+            )
+        names.append(root)
+    return names
+
+
+@dataclass(frozen=True)
+class BoundSingleton:
+    """A config bound to one task: resolved scope and a key function checked against its signature."""
+
+    task_name: str
+    config: SingletonConfig
+    scope: str
+    signature: inspect.Signature | None
+
+    @classmethod
+    def bind(
+        cls, config: SingletonConfig, *, task_name: str, signature: inspect.Signature | None
+    ) -> BoundSingleton:
+        """Check ``config`` against the task's signature; raise SingletonConfigError at declaration."""
+        if isinstance(config.key, str) and signature is not None:
+            params = signature.parameters
+            takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+            for name in _template_fields(config.key):
+                if name not in params and not takes_any:
+                    raise SingletonConfigError(
+                        f"{task_name}: key template {config.key!r} names {name!r}, "
+                        f"which is not an argument of the task (arguments: {list(params)})"
+                    )
+        return cls(task_name, config, config.scope or task_name, signature)
+
+    def derive_key(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
+        """The run's key from the task's own arguments; SingletonKeyError if it is not a usable str."""
+        spec = self.config.key
+        try:
+            if isinstance(spec, str):
+                arguments = self._bound_arguments(args, kwargs)
+                result: object = spec.format(**arguments)
+            else:
+                result = spec(*args, **kwargs)
+        except SingletonKeyError:
+            raise
+        except Exception as error:
+            raise SingletonKeyError(
+                f"{self.task_name}: deriving the singleton key failed: {type(error).__name__}: {error}"
+            ) from error
+        if not isinstance(result, str):
+            raise SingletonKeyError(
+                f"{self.task_name}: the singleton key must be a str, got {type(result).__name__} {result!r:.80}"
+            )
+        if not result:
+            raise SingletonKeyError(f"{self.task_name}: the singleton key is empty ('')")
+        if len(result) > MAX_KEY_LENGTH:
+            raise SingletonKeyError(
+                f"{self.task_name}: the singleton key has {len(result)} characters, "
+                f"more than {MAX_KEY_LENGTH}: {result[:40]!r}..."
+            )
+        return result
+
+    def _bound_arguments(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        if self.signature is None:
+            return dict(kwargs)
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        arguments = dict(bound.arguments)
+        for name, param in self.signature.parameters.items():
+            if param.kind is inspect.Parameter.VAR_KEYWORD:
+                arguments.update(arguments.pop(name, {}))
+        return arguments

@@ -1,0 +1,118 @@
+"""What store operations answer: plain frozen values shared by every store and adapter."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run as the adapters describe it to the store."""
+
+    scope: str
+    key: str
+    run_id: str
+    limit: int = 1
+    max_queue_depth: int | None = None
+    lease: float = 60.0
+    orphan_timeout: float | None = 600.0  # None: never evict, never pass over
+
+
+class Registered(enum.Enum):
+    """Answer of ``register``."""
+
+    REGISTERED = "registered"  # a new pending waiter
+    EXISTS = "exists"  # the run id is already registered: a no-op (SPEC §7)
+    FULL = "full"  # over limit + max_queue_depth: nothing written (SPEC §5)
+
+
+@dataclass(frozen=True)
+class RegisterOutcome:
+    status: Registered
+    in_flight: int  # holders + waiters of the key after the call
+
+
+class Decision(enum.Enum):
+    """Answer of ``claim`` for one delivery."""
+
+    ADMITTED = "admitted"  # run the body: the run holds a slot and a fresh token
+    GATED = "gated"  # defer the message with ``generation``; acked, not run
+    BUSY = "busy"  # the run executes elsewhere under a live lease: defer, never run twice
+    STALE = "stale"  # a dead copy: ack and drop, never run
+
+
+@dataclass(frozen=True)
+class Wake:
+    """A gated waiter that now owns a free slot: publish ``payload`` at once with ``generation``."""
+
+    scope: str
+    key: str
+    run_id: str
+    generation: int
+    payload: bytes | None
+
+
+@dataclass(frozen=True)
+class ClaimOutcome:
+    decision: Decision
+    token: int | None = None  # when ADMITTED
+    generation: int | None = None  # the generation to put on the deferred copy (GATED, BUSY)
+    position: int | None = None  # 1-based place among waiters (GATED)
+    takeover: bool = False  # ADMITTED over a holder whose lease had lapsed
+    evicted: tuple[str, ...] = ()
+    wakes: tuple[Wake, ...] = ()
+
+
+@dataclass(frozen=True)
+class ReleaseOutcome:
+    released: bool  # the run was removed by this call
+    lost: bool = False  # another owner holds the slot now (SPEC §6)
+    wakes: tuple[Wake, ...] = ()
+    evicted: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class HolderRef:
+    """A running holder, as a worker heartbeats it."""
+
+    scope: str
+    key: str
+    run_id: str
+    token: int
+
+
+class RunState(enum.Enum):
+    PENDING = "pending"  # registered, never delivered
+    GATED = "gated"  # delivered and deferred
+    WOKEN = "woken"  # gated, and a wake copy was published
+    HOLDING = "holding"  # admitted: owns a slot
+
+
+@dataclass(frozen=True)
+class HolderView:
+    run_id: str
+    token: int
+    admitted_at: float
+    heartbeat_at: float
+    lease_expires_at: float
+    executing: bool
+
+
+@dataclass(frozen=True)
+class WaiterView:
+    run_id: str
+    position: int
+    created_at: float
+    state: RunState
+    confirmed: bool
+
+
+@dataclass(frozen=True)
+class KeySnapshot:
+    scope: str
+    key: str
+    limit: int
+    token: int
+    holders: tuple[HolderView, ...] = field(default=())
+    waiters: tuple[WaiterView, ...] = field(default=())
