@@ -6,13 +6,13 @@ import inspect
 import string
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 from .errors import SingletonConfigError, SingletonKeyError
 
 MAX_KEY_LENGTH = 512
 
-KeySpec = Union[str, Callable[..., object]]
+KeySpec = str | Callable[..., object]
 
 
 @dataclass(frozen=True)
@@ -48,8 +48,10 @@ class SingletonConfig:
             raise SingletonConfigError(f"singleton scope must be a non-empty str, got {self.scope!r}")
         for name in ("lease", "orphan_timeout"):
             value = getattr(self, name)
-            if value is not None and value is not DISABLED and (
-                not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0
+            if (
+                value is not None
+                and value is not DISABLED
+                and (not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0)
             ):
                 raise SingletonConfigError(f"singleton {name} must be a positive number, got {value!r}")
 
@@ -62,8 +64,7 @@ class SingletonConfig:
             unknown = set(value) - _FIELDS
             if unknown:
                 raise SingletonConfigError(
-                    f"{task_name}: unknown singleton option(s) {sorted(unknown)}; "
-                    f"known: {sorted(_FIELDS)}"
+                    f"{task_name}: unknown singleton option(s) {sorted(unknown)}; known: {sorted(_FIELDS)}"
                 )
             if "key" not in value:
                 raise SingletonConfigError(f"{task_name}: singleton option needs a 'key'")
@@ -152,7 +153,8 @@ class BoundSingleton:
             ) from error
         if not isinstance(result, str):
             raise SingletonKeyError(
-                f"{self.task_name}: the singleton key must be a str, got {type(result).__name__} {result!r:.80}"
+                f"{self.task_name}: the singleton key must be a str, "
+                f"got {type(result).__name__} {result!r:.80}"
             )
         if not result:
             raise SingletonKeyError(f"{self.task_name}: the singleton key is empty ('')")

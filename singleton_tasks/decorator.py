@@ -43,7 +43,7 @@ def _load_adapters() -> None:
     import sys
 
     if "dramatiq" in sys.modules:
-        import singleton_tasks.dramatiq  # noqa: F401
+        import singleton_tasks.dramatiq
     if "celery" in sys.modules:
         import singleton_tasks.celery  # noqa: F401
 

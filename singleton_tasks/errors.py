@@ -50,7 +50,9 @@ class SingletonQueueFullError(SingletonError):
         return (_rebuild_queue_full, (type(self), self.__dict__.copy()))
 
 
-def _rebuild_queue_full(cls: type[SingletonQueueFullError], state: dict[str, object]) -> SingletonQueueFullError:
+def _rebuild_queue_full(
+    cls: type[SingletonQueueFullError], state: dict[str, object]
+) -> SingletonQueueFullError:
     error = cls.__new__(cls)
     Exception.__init__(error, str(state))
     error.__dict__.update(state)

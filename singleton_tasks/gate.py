@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from .outcomes import (
     ClaimOutcome,
     Decision,
-    RegisterOutcome,
     Registered,
+    RegisterOutcome,
     ReleaseOutcome,
     RunSpec,
     RunState,
@@ -172,7 +172,9 @@ def _housekeep(tx: KeyTransaction, now: float, timings: Timings, keep: str | Non
     return evicted
 
 
-def _wakes(tx: KeyTransaction, meta: KeyMeta, scope: str, key: str, now: float, skip: str | None) -> list[Wake]:
+def _wakes(
+    tx: KeyTransaction, meta: KeyMeta, scope: str, key: str, now: float, skip: str | None
+) -> list[Wake]:
     """Gated waiters that now own a free slot get a fresh live generation to be published."""
     free = meta.limit - len(tx.holders())
     wakes = []
@@ -396,8 +398,10 @@ def release(
         _finish(tx, meta)
         return ReleaseOutcome(released=False, lost=True, evicted=tuple(evicted))
     tx.delete_run(run_id)
-    settled = run.holder_generation if run.state is RunState.HOLDING else (
-        generation if generation is not None else -1
+    settled = (
+        run.holder_generation
+        if run.state is RunState.HOLDING
+        else (generation if generation is not None else -1)
     )
     tx.mark_settled(run_id, settled, now + timings.settled_ttl, now)
     wakes = _wakes(tx, meta, scope, key, now, skip=None)

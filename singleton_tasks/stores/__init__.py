@@ -42,7 +42,8 @@ def store_from_url(url: str, *, namespace: str = "default", **options: Any) -> S
     except ImportError as error:
         extra = {"redis": "redis", "rediss": "redis", "postgresql": "postgres", "postgres": "postgres"}
         raise SingletonConfigError(
-            f"the {scheme}:// store needs its driver: pip install 'singleton-tasks[{extra.get(scheme, scheme)}]' ({error})"
+            f"the {scheme}:// store needs its driver: "
+            f"pip install 'singleton-tasks[{extra.get(scheme, scheme)}]' ({error})"
         ) from error
     store_class: type[Store] = getattr(module, class_name)
     return store_class(url, namespace=namespace, **options)

@@ -10,8 +10,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from .. import gate
 from ..errors import SingletonConfigError
-from ..gate import KeyTransaction, Timings
-from ..gate import KeyMeta, RunRecord
+from ..gate import KeyMeta, KeyTransaction, RunRecord, Timings
 from ..outcomes import (
     ClaimOutcome,
     HolderRef,
@@ -186,7 +185,7 @@ class RuleStore(Store):
 
     def heartbeat(self, holders: Sequence[HolderRef], *, now: float) -> list[str]:
         lost = []
-        for ref, alive in zip(holders, self._heartbeat_batch(holders, now)):
+        for ref, alive in zip(holders, self._heartbeat_batch(holders, now), strict=True):
             if not alive:
                 lost.append(ref.run_id)
         return lost

@@ -9,9 +9,8 @@ from __future__ import annotations
 import bisect
 import contextlib
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Callable
 from urllib.parse import urlsplit
 
 from .. import gate
@@ -143,7 +142,9 @@ class MemoryStore(RuleStore):
 
     schemes = ("memory",)
 
-    def __init__(self, url: str = "memory://", *, namespace: str = "default", timings: Timings | None = None) -> None:
+    def __init__(
+        self, url: str = "memory://", *, namespace: str = "default", timings: Timings | None = None
+    ) -> None:
         super().__init__(url, namespace=namespace, timings=timings)
         self._server = _server(urlsplit(url).netloc + urlsplit(url).path)
 

@@ -1,0 +1,300 @@
+"""What both adapters share: one :class:`Gatekeeper` per worker or producer process.
+
+It resolves options (task config → adapter option → default), turns framework-neutral
+events into store calls with the library's clock, picks deferral delays, heartbeats the
+runs a process executes, and logs what operators need to see. The adapters only translate
+framework events into these calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import tempfile
+import threading
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from . import clock
+from .config import DISABLED, BoundSingleton
+from .errors import SingletonQueueFullError
+from .outcomes import (
+    ClaimOutcome,
+    Decision,
+    HolderRef,
+    Registered,
+    RegisterOutcome,
+    ReleaseOutcome,
+    RunSpec,
+)
+from .stores import Store, store_from_url
+
+logger = logging.getLogger("singleton_tasks")
+
+STORE_ENV = "SINGLETON_TASKS_STORE"
+_default_warned = False
+
+
+def default_store_url() -> str:
+    """The embedded default: a SQLite file shared by every process of this host."""
+    return f"sqlite:///{os.path.join(tempfile.gettempdir(), 'singleton-tasks.db')}"
+
+
+def resolve_store_url(store: str | None) -> str:
+    """``store`` → ``SINGLETON_TASKS_STORE`` → the embedded default, with a one-time warning."""
+    global _default_warned
+    if store:
+        return store
+    from_env = os.environ.get(STORE_ENV)
+    if from_env:
+        return from_env
+    if not _default_warned:
+        _default_warned = True
+        warnings.warn(
+            "singleton-tasks: no store configured; using the embedded SQLite default "
+            f"({default_store_url()}), which serializes runs only on this host. "
+            f"Pass store=... or set {STORE_ENV} (redis://… or postgresql://…) for several hosts.",
+            stacklevel=3,
+        )
+    return default_store_url()
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    """Worker-side timings, in seconds (SPEC §2)."""
+
+    retry_delay: float = 1.0
+    retry_jitter: float = 0.25
+    lease: float = 60.0
+    orphan_timeout: float | None = 600.0
+    heartbeat_interval: float | None = None  # default: a third of the lease
+    max_retry_delay: float = 10.0  # far-back waiters re-check at most this rarely (a wake comes first)
+
+
+class Gatekeeper:
+    """The store, the options and the heartbeat of one process (re-created after a fork)."""
+
+    def __init__(
+        self, store: Store | str | None = None, *, namespace: str = "default", **options: Any
+    ) -> None:
+        self.options = WorkerOptions(**options)
+        self._store_arg = store
+        self._namespace = namespace
+        self._store: Store | None = store if isinstance(store, Store) else None
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._heartbeater: _Heartbeater | None = None
+
+    # -- the store, one per process --------------------------------------------------------
+    @property
+    def store(self) -> Store:
+        if self._pid != os.getpid() and not isinstance(self._store_arg, Store):
+            self._store, self._heartbeater, self._pid = None, None, os.getpid()  # forked: fresh clients
+        if self._store is None:
+            with self._lock:
+                if self._store is None:
+                    url = resolve_store_url(self._store_arg if isinstance(self._store_arg, str) else None)
+                    store = store_from_url(url, namespace=self._namespace)
+                    self._ensure_schema(store)
+                    self._store = store
+        return self._store
+
+    @staticmethod
+    def _ensure_schema(store: Store) -> None:
+        """Embedded stores create their schema on first use; the others must be migrated."""
+        if store.schema_version() is None and type(store).__name__ in (
+            "MemoryStore",
+            "SQLiteStore",
+            "RedisStore",
+        ):
+            store.migrate()
+        store.check_schema()
+
+    def check(self) -> None:
+        """Fail at worker start against a missing or incompatible schema (SPEC §8)."""
+        self._ensure_schema(self.store)
+
+    # -- options ---------------------------------------------------------------------------
+    def spec(
+        self, bound: BoundSingleton, run_id: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> RunSpec:
+        """Derive the run's key (SingletonKeyError) and resolve its timings: config → adapter option."""
+        config = bound.config
+        orphan = self.options.orphan_timeout if config.orphan_timeout is None else config.orphan_timeout
+        return RunSpec(
+            scope=bound.scope,
+            key=bound.derive_key(args, kwargs),
+            run_id=run_id,
+            limit=config.limit,
+            max_queue_depth=config.max_queue_depth,
+            lease=config.lease if config.lease is not None else self.options.lease,
+            orphan_timeout=None if orphan is None or orphan == DISABLED else float(orphan),
+        )
+
+    def deferral_delay(self, position: int | None, limit: int = 1) -> float:
+        """~retry_delay ± jitter at the head of the line; rarer re-checks further back (SPEC §3)."""
+        base = self.options.retry_delay
+        if position is not None and position > limit:
+            base = min(self.options.max_retry_delay, base * (position - limit + 1))
+        jitter = self.options.retry_jitter
+        return max(0.0, base + random.uniform(-jitter, jitter))
+
+    # -- events ----------------------------------------------------------------------------
+    def register(
+        self,
+        bound: BoundSingleton,
+        spec: RunSpec,
+        *,
+        confirmed: bool = True,
+        full_error: type[SingletonQueueFullError] = SingletonQueueFullError,
+    ) -> RegisterOutcome:
+        """Enqueue: register a pending waiter or raise ``full_error`` (StoreUnavailableError passes)."""
+        outcome = self.store.register(spec, now=clock.now(), confirmed=confirmed)
+        if outcome.status is Registered.FULL:
+            logger.info("rejected %s run %s: key %r is full", bound.task_name, spec.run_id, spec.key)
+            raise full_error(
+                task_name=bound.task_name,
+                scope=spec.scope,
+                key=spec.key,
+                limit=spec.limit,
+                max_queue_depth=spec.max_queue_depth,
+            )
+        return outcome
+
+    def confirm(self, spec: RunSpec) -> None:
+        self.store.confirm(spec.scope, spec.key, spec.run_id, now=clock.now())
+
+    def unregister(self, spec: RunSpec) -> None:
+        self.store.unregister(spec.scope, spec.key, spec.run_id, now=clock.now())
+
+    def claim(self, task_name: str, spec: RunSpec, generation: int, payload: bytes | None) -> ClaimOutcome:
+        """Gate: decide one delivery; the caller runs, defers or drops accordingly."""
+        outcome = self.store.claim(spec, generation, payload, now=clock.now())
+        self._log_evictions(outcome.evicted, spec)
+        if outcome.decision is Decision.ADMITTED:
+            if outcome.takeover:
+                logger.warning(
+                    "%s run %s took its slot of key %r over from its lapsed lease (token %s)",
+                    task_name,
+                    spec.run_id,
+                    spec.key,
+                    outcome.token,
+                )
+            self.heartbeats.track(HolderRef(spec.scope, spec.key, spec.run_id, outcome.token or 0))
+        logger.debug(
+            "%s run %s key %r gen %s: %s%s",
+            task_name,
+            spec.run_id,
+            spec.key,
+            generation,
+            outcome.decision.value,
+            f" (position {outcome.position})" if outcome.position else "",
+        )
+        return outcome
+
+    def suspend(self, spec: RunSpec, token: int, delay: float) -> None:
+        """A holder waits for its retry: stop heartbeating it, keep its slot."""
+        self.heartbeats.untrack(spec.run_id)
+        if not self.store.suspend(spec.scope, spec.key, spec.run_id, token, now=clock.now(), delay=delay):
+            logger.error(
+                "run %s lost its slot of key %r before its retry (token %s)", spec.run_id, spec.key, token
+            )
+
+    def release(
+        self, task_name: str, spec: RunSpec, *, token: int | None, generation: int | None = None
+    ) -> ReleaseOutcome:
+        """Settle: free the slot or the place in line; the caller publishes ``wakes``."""
+        self.heartbeats.untrack(spec.run_id)
+        outcome = self.store.release(
+            spec.scope, spec.key, spec.run_id, token=token, generation=generation, now=clock.now()
+        )
+        self._log_evictions(outcome.evicted, spec)
+        if outcome.lost:
+            logger.error(
+                "%s run %s lost its slot of key %r (token %s): another owner holds it; "
+                "reject its writes by the fencing token",
+                task_name,
+                spec.run_id,
+                spec.key,
+                token,
+            )
+        return outcome
+
+    @staticmethod
+    def _log_evictions(evicted: tuple[str, ...], spec: RunSpec) -> None:
+        for run_id in evicted:
+            logger.warning(
+                "evicted orphaned holder %s of key %r (scope %r): its lease lapsed over orphan_timeout ago",
+                run_id,
+                spec.key,
+                spec.scope,
+            )
+
+    # -- heartbeats ------------------------------------------------------------------------
+    @property
+    def heartbeats(self) -> _Heartbeater:
+        _ = self.store  # resets the heartbeater after a fork
+        if self._heartbeater is None:
+            with self._lock:
+                if self._heartbeater is None:
+                    self._heartbeater = _Heartbeater(self)
+        return self._heartbeater
+
+    def close(self) -> None:
+        if self._heartbeater is not None:
+            self._heartbeater.stop()
+        if self._store is not None and not isinstance(self._store_arg, Store):
+            self._store.close()
+            self._store = None
+
+
+class _Heartbeater:
+    """One thread per process: one batched store call per interval for all running holders."""
+
+    def __init__(self, gatekeeper: Gatekeeper) -> None:
+        self._gatekeeper = gatekeeper
+        options = gatekeeper.options
+        self.interval = options.heartbeat_interval or max(0.05, options.lease / 3)
+        self._running: dict[str, HolderRef] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def track(self, ref: HolderRef) -> None:
+        with self._lock:
+            self._running[ref.run_id] = ref
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="singleton-heartbeat", daemon=True)
+                self._thread.start()
+
+    def untrack(self, run_id: str) -> None:
+        with self._lock:
+            self._running.pop(run_id, None)
+
+    def running(self) -> list[HolderRef]:
+        with self._lock:
+            return list(self._running.values())
+
+    def beat(self) -> list[str]:
+        """One batched heartbeat now; returns the run ids that lost their slot."""
+        holders = self.running()
+        if not holders:
+            return []
+        lost = self._gatekeeper.store.heartbeat(holders, now=clock.now())
+        for run_id in lost:
+            logger.error("heartbeat: run %s lost its slot; another owner holds it now", run_id)
+            self.untrack(run_id)
+        return lost
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.beat()
+            except Exception:  # a store outage must not kill the heartbeat thread
+                logger.exception("heartbeat failed; retrying in %.1fs", self.interval)
+
+    def stop(self) -> None:
+        self._stop.set()

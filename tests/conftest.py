@@ -1,0 +1,85 @@
+"""Shared fixtures: every store by URL, on the real servers; skip by hand, fail in CI."""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+
+from singleton_tasks import Store, store_from_url
+
+REDIS_URL = os.environ.get("SINGLETON_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+POSTGRES_URL = os.environ.get("SINGLETON_TEST_POSTGRES_URL", "postgresql://127.0.0.1:5432/test")
+RABBITMQ_URL = os.environ.get("SINGLETON_TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/")
+BROKER_REDIS_URL = os.environ.get("SINGLETON_TEST_BROKER_REDIS_URL", "redis://127.0.0.1:6379/14")
+
+BACKENDS = ["memory", "sqlite", "redis", "postgres"]
+
+
+def reachable(url: str) -> bool:
+    parts = urlsplit(url)
+    try:
+        with socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 0), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+def require_server(url: str, what: str) -> None:
+    """Skip when run by hand without the server; in CI a missing server is a failure."""
+    if reachable(url):
+        return
+    message = f"{what} at {urlsplit(url).hostname}:{urlsplit(url).port} is not reachable"
+    if os.environ.get("CI"):
+        pytest.fail(message + " (CI is set: a missing service fails the run)")
+    pytest.skip(message)
+
+
+def backend_url(backend: str, tmp_path: Path) -> str:
+    if backend == "memory":
+        return f"memory://test-{uuid.uuid4().hex}"
+    if backend == "sqlite":
+        return f"sqlite:///{tmp_path / 'singleton.db'}"
+    if backend == "redis":
+        require_server(REDIS_URL, "Redis")
+        return REDIS_URL
+    if backend == "postgres":
+        require_server(POSTGRES_URL, "PostgreSQL")
+        return POSTGRES_URL
+    raise ValueError(backend)
+
+
+StoreFactory = Callable[..., Store]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def store_factory(backend: str, tmp_path: Path) -> Iterator[StoreFactory]:
+    """Make stores on one server; each test gets its own namespace unless it names one."""
+    url = backend_url(backend, tmp_path)
+    default_namespace = f"t{uuid.uuid4().hex[:12]}"
+    made: list[Store] = []
+
+    def make(namespace: str | None = None, **options: object) -> Store:
+        store = store_from_url(url, namespace=namespace or default_namespace, **options)
+        store.migrate()
+        made.append(store)
+        return store
+
+    yield make
+    for store in made:
+        store.close()
+
+
+@pytest.fixture
+def store(store_factory: StoreFactory) -> Store:
+    return store_factory()
