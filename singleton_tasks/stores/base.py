@@ -30,16 +30,14 @@ def redact_url(url: str) -> str:
     """The URL with its password replaced by ``***`` (SPEC §8)."""
     try:
         parts = urlsplit(url)
+        password = parts.password
     except ValueError:
         return "<unparseable store url>"
-    if parts.password is None:
+    if password is None:
         return url
-    host = parts.hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    netloc = f"{parts.username or ''}:***@{host}"
-    if parts.port is not None:
-        netloc += f":{parts.port}"
+    # Keep everything after the userinfo verbatim (an invalid port must not raise here).
+    host_and_port = parts.netloc.rpartition("@")[2]
+    netloc = f"{parts.username or ''}:***@{host_and_port}"
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 

@@ -1,0 +1,240 @@
+"""Prometheus metrics of the gate (SPEC §9), behind the optional ``metrics`` extra.
+
+The adapters report events through the module-level hooks (``observe_*``); each hook is a
+no-op when ``prometheus_client`` is not installed or metrics are disabled, so calling them
+costs nothing to users without the extra.
+
+Which registry:
+
+- By default the metrics are created, on the first event, in ``prometheus_client.REGISTRY``
+  (what ``start_http_server`` / ``make_wsgi_app`` expose).
+- :func:`install` picks another registry (a Celery user's own ``CollectorRegistry``) or
+  prefixes the names; call it before the worker handles its first task.
+- Dramatiq's ``Prometheus`` middleware runs ``prometheus_client`` in multiprocess mode and
+  exposes whatever every worker process writes to its ``PROMETHEUS_MULTIPROC_DIR``. The metrics
+  here join that exposition as long as they are created after the middleware set the
+  directory in ``after_process_boot``: that is why they are created lazily, on the first event,
+  and why this module imports ``prometheus_client`` only then (it picks its multiprocess mode
+  at import time).
+
+Metric names (label ``task``: the Dramatiq actor / Celery task name):
+
+==========================================  ===================================================
+``singleton_tasks_admitted_total``          deliveries admitted to a slot (body ran)
+``singleton_tasks_gated_total``             deliveries denied and deferred (waiting in line)
+``singleton_tasks_woken_total``             wake copies published to gated waiters
+``singleton_tasks_released_total``          runs settled that freed a slot or place in line
+``singleton_tasks_rejected_total``          enqueues refused with ``SingletonQueueFullError``
+``singleton_tasks_evicted_total``           orphaned holders evicted (labelled with the task
+                                            whose store call evicted them: same scope)
+``singleton_tasks_taken_over_total``        admissions over a holder whose lease lapsed
+``singleton_tasks_wait_seconds``            histogram: registration (enqueue) → admission
+``singleton_tasks_handoff_seconds``         histogram: a holder's release (the wake publish
+                                            that follows it) → admission of the woken run
+==========================================  ===================================================
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+from .outcomes import ClaimOutcome, Decision, ReleaseOutcome
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0)
+HANDOFF_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class SingletonMetrics:
+    """The counters and histograms, registered in one registry."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, *, prefix: str = "singleton_tasks") -> None:
+        from prometheus_client import REGISTRY, Counter, Histogram
+
+        reg = REGISTRY if registry is None else registry
+        self.registry = reg
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(f"{prefix}_{name}", doc, ["task"], registry=reg)
+
+        self.admitted = counter("admitted", "Singleton deliveries admitted to a slot.")
+        self.gated = counter("gated", "Singleton deliveries denied and deferred while their key is busy.")
+        self.woken = counter("woken", "Wake copies published to gated waiters that now own a slot.")
+        self.released = counter("released", "Singleton runs settled, freeing their slot or place in line.")
+        self.rejected = counter("rejected", "Singleton enqueues rejected: the key's queue was full.")
+        self.evicted = counter("evicted", "Orphaned holders evicted after their lease lapsed.")
+        self.taken_over = counter("taken_over", "Admissions that took over a holder whose lease lapsed.")
+        self.wait_time = Histogram(
+            f"{prefix}_wait_seconds",
+            "Time from a singleton run's registration (enqueue) to its admission.",
+            ["task"],
+            buckets=WAIT_BUCKETS,
+            registry=reg,
+        )
+        self.handoff = Histogram(
+            f"{prefix}_handoff_seconds",
+            "Time from a holder's release (the wake it published) to the woken run's admission.",
+            ["task"],
+            buckets=HANDOFF_BUCKETS,
+            registry=reg,
+        )
+
+
+_lock = threading.Lock()
+_active: SingletonMetrics | None = None
+_disabled = False
+_by_registry: dict[int, SingletonMetrics] = {}
+
+
+def install(
+    registry: CollectorRegistry | None = None, *, prefix: str = "singleton_tasks"
+) -> SingletonMetrics:
+    """Create (once per registry) the metrics in ``registry`` and send the hooks' events there.
+
+    Raises ImportError when ``prometheus_client`` is missing (``pip install 'singleton-tasks[metrics]'``).
+    """
+    global _active, _disabled
+    from prometheus_client import REGISTRY
+
+    reg = REGISTRY if registry is None else registry
+    with _lock:
+        # A registry refuses the same metric twice: installing again reuses the first set.
+        metrics = _by_registry.get(id(reg))
+        if metrics is None or metrics.registry is not reg:
+            metrics = SingletonMetrics(reg, prefix=prefix)
+            _by_registry[id(reg)] = metrics
+        _active, _disabled = metrics, False
+        return metrics
+
+
+def disable() -> None:
+    """Turn every hook into a no-op (until :func:`install` is called)."""
+    global _active, _disabled
+    with _lock:
+        _active, _disabled = None, True
+
+
+def active() -> SingletonMetrics | None:
+    """The metrics the hooks report to; created in the default registry on first use."""
+    global _disabled
+    metrics = _active
+    if metrics is not None or _disabled:
+        return metrics
+    try:
+        return install()
+    except ImportError:
+        _disabled = True  # the extra is not installed: stay a no-op, never retry the import
+        return None
+
+
+# -- hooks the adapters call ----------------------------------------------------------------
+
+
+def observe_admitted(
+    task: str,
+    *,
+    now: float | None = None,
+    registered_at: float | None = None,
+    woken_at: float | None = None,
+    takeover: bool = False,
+) -> None:
+    """A delivery was admitted; times are epoch seconds of the library clock.
+
+    ``registered_at``: when the run was registered (enqueued) → observes the wait time.
+    ``woken_at``: when the wake copy being admitted was published → observes the handoff.
+    """
+    metrics = active()
+    if metrics is None:
+        return
+    metrics.admitted.labels(task).inc()
+    if takeover:
+        metrics.taken_over.labels(task).inc()
+    if now is not None and registered_at is not None:
+        metrics.wait_time.labels(task).observe(max(0.0, now - registered_at))
+    if now is not None and woken_at is not None:
+        metrics.handoff.labels(task).observe(max(0.0, now - woken_at))
+
+
+def observe_gated(task: str) -> None:
+    """A delivery was denied and deferred (its key has no free slot for it)."""
+    metrics = active()
+    if metrics is not None:
+        metrics.gated.labels(task).inc()
+
+
+def observe_woken(task: str, count: int = 1) -> None:
+    """``count`` wake copies were published (``task``: the woken message's task)."""
+    metrics = active()
+    if metrics is not None and count > 0:
+        metrics.woken.labels(task).inc(count)
+
+
+def observe_released(task: str) -> None:
+    """A run settled and freed its slot or its place in line."""
+    metrics = active()
+    if metrics is not None:
+        metrics.released.labels(task).inc()
+
+
+def observe_rejected(task: str) -> None:
+    """An enqueue was refused with ``SingletonQueueFullError``."""
+    metrics = active()
+    if metrics is not None:
+        metrics.rejected.labels(task).inc()
+
+
+def observe_evicted(task: str, count: int = 1) -> None:
+    """``count`` orphaned holders were evicted by a store call made for ``task``."""
+    metrics = active()
+    if metrics is not None and count > 0:
+        metrics.evicted.labels(task).inc(count)
+
+
+def observe_claim(
+    task: str,
+    outcome: ClaimOutcome,
+    *,
+    now: float | None = None,
+    registered_at: float | None = None,
+    woken_at: float | None = None,
+) -> None:
+    """Everything a claim outcome counts: admitted / taken over / gated / evicted (not wakes)."""
+    if active() is None:
+        return
+    observe_evicted(task, len(outcome.evicted))
+    if outcome.decision is Decision.ADMITTED:
+        observe_admitted(
+            task, now=now, registered_at=registered_at, woken_at=woken_at, takeover=outcome.takeover
+        )
+    elif outcome.decision is Decision.GATED:
+        observe_gated(task)
+
+
+def observe_release(task: str, outcome: ReleaseOutcome) -> None:
+    """Everything a release outcome counts: released / evicted (not wakes)."""
+    if active() is None:
+        return
+    observe_evicted(task, len(outcome.evicted))
+    if outcome.released:
+        observe_released(task)
+
+
+__all__ = [
+    "HANDOFF_BUCKETS",
+    "WAIT_BUCKETS",
+    "SingletonMetrics",
+    "active",
+    "disable",
+    "install",
+    "observe_admitted",
+    "observe_claim",
+    "observe_evicted",
+    "observe_gated",
+    "observe_rejected",
+    "observe_release",
+    "observe_released",
+    "observe_woken",
+]

@@ -1,0 +1,499 @@
+"""What the SQL stores share: their SQL files, a tiny DB-API cursor wrapper, and the one
+:class:`~singleton_tasks.gate.KeyTransaction` over it (SQLite and PostgreSQL alike).
+
+The SQL lives in ``stores/sql/``: a schema file per dialect (a fresh install), numbered
+migrations per dialect (upgrades), and ``queries.sql`` with the runtime statements written
+once with ``:name`` parameters and converted per dialect here.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import functools
+import re
+import sqlite3
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+from importlib import resources
+from typing import Any, ClassVar, Protocol
+
+from .. import gate
+from ..errors import SchemaVersionError, StoreUnavailableError
+from ..gate import KeyMeta, KeyTransaction, RunRecord
+from ..outcomes import HolderRef, KeySnapshot, RunState
+from .base import SCHEMA_VERSION, RuleStore, snapshot_of
+
+_SECTION = re.compile(r"^-- name: (\w+)(?: \((\w+)\))?[ \t]*$", re.MULTILINE)
+_NAMED = re.compile(r"(?<![:\w]):(\w+)")
+_MIGRATION = re.compile(r"^(\d{4})_\w+\.sql$")
+
+
+def _sqlite_statements(script: str) -> list[str]:
+    """Split a script at statement ends as SQLite sees them (executescript would COMMIT first)."""
+    statements, buffer = [], ""
+    for line in script.splitlines(keepends=True):
+        buffer += line
+        if sqlite3.complete_statement(buffer):
+            statements.append(buffer.strip())
+            buffer = ""
+    if _strip_comments(buffer).strip():
+        raise ValueError(f"incomplete SQL statement at the end of a script: {buffer.strip()[:80]!r}")
+    return statements
+
+
+def _strip_comments(sql: str) -> str:
+    return "\n".join(line for line in sql.splitlines() if not line.lstrip().startswith("--"))
+
+
+_NUL_ESCAPES = re.compile("[\x00\ue000]")
+_NUL_UNESCAPES = re.compile("\ue000(.)", re.DOTALL)
+
+
+def _escape_nul(text: str) -> str:
+    """PostgreSQL text cannot hold NUL: NUL → U+E000 ``0``, U+E000 → U+E000 ``e`` (reversible)."""
+    if "\x00" not in text and "\ue000" not in text:
+        return text  # every ordinary key is stored as itself
+    return _NUL_ESCAPES.sub(lambda m: "\ue0000" if m.group() == "\x00" else "\ue000e", text)
+
+
+def _unescape_nul(text: str) -> str:
+    if "\ue000" not in text:
+        return text
+    return _NUL_UNESCAPES.sub(lambda m: "\x00" if m.group(1) == "0" else "\ue000", text)
+
+
+def _same(text: str) -> str:
+    return text
+
+
+def _pyformat(sql: str) -> str:
+    """``:name`` → psycopg's ``%(name)s`` (a literal ``%`` is doubled first)."""
+    return _NAMED.sub(r"%(\1)s", sql.replace("%", "%%"))
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """What differs between the SQL stores' databases, beyond the per-dialect SQL files."""
+
+    name: str  # "sqlite" | "postgres": the folder of its migrations and the tag in queries.sql
+    convert: Callable[[str], str]  # queries.sql's ``:name`` parameters → the driver's style
+    statements: Callable[[str], list[str]]  # a script → what one execute() call accepts
+    store_text: Callable[[str], str] = _same  # a namespace, scope, key or run id → its column value
+    load_text: Callable[[str], str] = _same  # and back
+
+
+SQLITE = Dialect("sqlite", convert=_same, statements=_sqlite_statements)
+POSTGRES = Dialect(
+    "postgres",
+    convert=_pyformat,
+    statements=lambda script: [script],
+    store_text=_escape_nul,
+    load_text=_unescape_nul,
+)
+
+
+def _sql_file(*parts: str) -> str:
+    return resources.files("singleton_tasks.stores").joinpath("sql", *parts).read_text(encoding="utf-8")
+
+
+def parse_queries(text: str, dialect: str) -> dict[str, str]:
+    """The named sections of a queries file for one dialect (a tagged section overrides)."""
+    generic: dict[str, str] = {}
+    specific: dict[str, str] = {}
+    matches = list(_SECTION.finditer(text))
+    for match, following in zip(matches, [*matches[1:], None], strict=True):
+        body = text[match.end() : following.start() if following else len(text)]
+        sql = _strip_comments(body).strip().rstrip(";").strip()
+        name, tag = match.group(1), match.group(2)
+        target = generic if tag is None else specific if tag == dialect else None
+        if target is None:
+            continue
+        if name in target:
+            raise ValueError(f"query {name!r} is defined twice for {dialect}")
+        target[name] = sql
+    return {**generic, **specific}
+
+
+@functools.cache
+def queries(dialect: Dialect) -> Mapping[str, str]:
+    """The runtime statements of ``queries.sql``, ready for the dialect's driver."""
+    return {
+        name: dialect.convert(sql)
+        for name, sql in parse_queries(_sql_file("queries.sql"), dialect.name).items()
+    }
+
+
+def schema_script(dialect: Dialect) -> str:
+    """The schema at :data:`SCHEMA_VERSION`: what ``migrate`` installs on an empty database."""
+    return _sql_file(f"{dialect.name}_schema.sql")
+
+
+def migration_scripts(dialect: Dialect) -> list[tuple[int, str]]:
+    """``(version, script)`` of every numbered migration of the dialect, in order."""
+    folder = resources.files("singleton_tasks.stores").joinpath("sql", dialect.name)
+    found = []
+    for entry in folder.iterdir():
+        match = _MIGRATION.match(entry.name)
+        if match:
+            found.append((int(match.group(1)), entry.read_text(encoding="utf-8")))
+    return sorted(found)
+
+
+class DBCursor(Protocol):
+    """The part of a DB-API cursor the SQL stores use (sqlite3 and psycopg both fit)."""
+
+    @property
+    def rowcount(self) -> int: ...
+
+    def execute(self, query: str, params: Any = ..., /) -> object: ...
+
+    def fetchall(self) -> list[Any]: ...
+
+
+class SQLCursor:
+    """Runs named statements on a driver cursor; driver errors become StoreUnavailableError."""
+
+    def __init__(
+        self,
+        raw: DBCursor,
+        dialect: Dialect,
+        errors: tuple[type[Exception], ...],
+        where: str,
+    ) -> None:
+        self._raw = raw
+        self.dialect = dialect
+        self.queries = queries(dialect)
+        self._errors = errors
+        self._where = where
+
+    def _execute(self, sql: str, params: Mapping[str, Any] | None) -> None:
+        try:
+            if params is None:
+                self._raw.execute(sql)
+            else:
+                self._raw.execute(sql, params)
+        except self._errors as error:
+            raise StoreUnavailableError(f"{self._where}: {type(error).__name__}: {error}") from error
+
+    def _fetchall(self) -> list[tuple[Any, ...]]:
+        try:
+            return [tuple(row) for row in self._raw.fetchall()]
+        except self._errors as error:
+            raise StoreUnavailableError(f"{self._where}: {type(error).__name__}: {error}") from error
+
+    def all(self, name: str, params: Mapping[str, Any]) -> list[tuple[Any, ...]]:
+        self._execute(self.queries[name], params)
+        return self._fetchall()
+
+    def one(self, name: str, params: Mapping[str, Any]) -> tuple[Any, ...] | None:
+        rows = self.all(name, params)
+        return rows[0] if rows else None
+
+    def run(self, name: str, params: Mapping[str, Any]) -> int:
+        """Execute a statement without a result; returns the affected row count."""
+        self._execute(self.queries[name], params)
+        return self._raw.rowcount
+
+    def script(self, script: str) -> None:
+        """Execute a schema or migration script (no parameters) inside the current transaction."""
+        for statement in self.dialect.statements(script):
+            self._execute(statement, None)
+
+
+def _record(row: Sequence[Any], load_text: Callable[[str], str]) -> RunRecord:
+    """A run row, selected in RunRecord field order, as a record."""
+    (
+        run_id,
+        seq,
+        state,
+        created_at,
+        confirmed,
+        generation,
+        live,
+        payload,
+        token,
+        holder_generation,
+        admitted_at,
+        heartbeat_at,
+        lease_expires_at,
+        executing,
+        lease,
+        orphan_timeout,
+    ) = row
+    return RunRecord(
+        run_id=load_text(str(run_id)),
+        seq=int(seq),
+        state=RunState(state),
+        created_at=float(created_at),
+        confirmed=bool(confirmed),
+        generation=int(generation),
+        live=[int(g) for g in str(live).split(",") if g],
+        payload=None if payload is None else bytes(payload),
+        token=int(token),
+        holder_generation=int(holder_generation),
+        admitted_at=float(admitted_at),
+        heartbeat_at=float(heartbeat_at),
+        lease_expires_at=float(lease_expires_at),
+        executing=bool(executing),
+        lease=float(lease),
+        orphan_timeout=None if orphan_timeout is None else float(orphan_timeout),
+    )
+
+
+class SQLKeyTransaction(KeyTransaction):
+    """One key's rows, read and written inside the store's transaction after :meth:`lock`.
+
+    While the key is locked only this transaction changes its rows, so what it has read or
+    written is kept and served again (write-through): the rules ask for the holders and the
+    count several times per operation, and each question would be a round trip.
+    """
+
+    def __init__(self, cursor: SQLCursor, namespace: str, scope: str, key: str) -> None:
+        self._cursor = cursor
+        self._text = cursor.dialect.store_text
+        self._load = cursor.dialect.load_text
+        self._key = {"namespace": self._text(namespace), "scope": self._text(scope), "key": self._text(key)}
+        self._meta = KeyMeta()  # the key row as stored, so unchanged counters are not rewritten
+        self._runs: dict[str, RunRecord | None] = {}  # run id -> its row as it is now (None: absent)
+        self._holders: dict[str, RunRecord] | None = None  # with _count: loaded together, kept exact
+        self._count = 0
+
+    def lock(self, *, create: bool) -> bool:
+        """Lock the key's row, creating it if ``create``; False if it does not exist."""
+        for _attempt in range(10):
+            row = self._cursor.one("lock_key", self._key)
+            if row is not None:
+                self._meta = KeyMeta(token=int(row[0]), seq=int(row[1]), limit=int(row[2]))
+                return True
+            if not create:
+                return False
+            # Another transaction may create it first (we then wait for it) or delete it while
+            # we wait for its lock (an unused key): either way, look again.
+            self._cursor.run("insert_key", self._key)
+        raise StoreUnavailableError(f"could not lock key {self._key['key']!r}: it keeps disappearing")
+
+    def finish(self) -> None:
+        """A key that never admitted a run and has none left leaves no row behind (SPEC §8)."""
+        if self._meta.token == 0 and self.count_runs() == 0:
+            self._cursor.run("delete_key", self._key)
+
+    def _summary(self) -> dict[str, RunRecord]:
+        """The holders and the number of runs, in one round trip, once."""
+        if self._holders is None:
+            rows = self._cursor.all("key_summary", self._key)
+            self._count = int(rows[0][0]) if rows else 0
+            self._holders = {}
+            for row in rows:
+                if row[1] is not None:
+                    run = self._keep(_record(row[1:], self._load))
+                    self._holders[run.run_id] = run
+        return self._holders
+
+    def _waiters_exist(self) -> bool:
+        holders = len(self._summary())  # loads the count too
+        return self._count > holders
+
+    def _keep(self, run: RunRecord) -> RunRecord:
+        self._runs[run.run_id] = run
+        return run
+
+    def meta(self) -> KeyMeta | None:
+        return replace(self._meta)
+
+    def save_meta(self, meta: KeyMeta) -> None:
+        if meta == self._meta:
+            return
+        self._cursor.run(
+            "update_key", {**self._key, "token": meta.token, "seq": meta.seq, "slot_limit": meta.limit}
+        )
+        self._meta = replace(meta)
+
+    def get_run(self, run_id: str) -> RunRecord | None:
+        if run_id not in self._runs:
+            row = self._cursor.one("get_run", {**self._key, "run_id": self._text(run_id)})
+            self._runs[run_id] = None if row is None else _record(row, self._load)
+        run = self._runs[run_id]
+        return None if run is None else run.copy()
+
+    def save_run(self, run: RunRecord) -> None:
+        self._cursor.run(
+            "save_run",
+            {
+                **self._key,
+                "run_id": self._text(run.run_id),
+                "seq": run.seq,
+                "state": run.state.value,
+                "created_at": run.created_at,
+                "confirmed": run.confirmed,
+                "generation": run.generation,
+                "live": ",".join(str(g) for g in run.live),
+                "payload": run.payload,
+                "token": run.token,
+                "holder_generation": run.holder_generation,
+                "admitted_at": run.admitted_at,
+                "heartbeat_at": run.heartbeat_at,
+                "lease_expires_at": run.lease_expires_at,
+                "executing": run.executing,
+                "lease": run.lease,
+                "orphan_timeout": run.orphan_timeout,
+            },
+        )
+        if self._holders is not None:
+            if run.run_id not in self._runs:
+                self._holders = None  # whether this inserted a row is unknown: reload when asked
+            else:
+                if self._runs[run.run_id] is None:
+                    self._count += 1
+                if run.state is RunState.HOLDING:
+                    self._holders[run.run_id] = run.copy()
+                else:
+                    self._holders.pop(run.run_id, None)
+        self._keep(run.copy())
+
+    def delete_run(self, run_id: str) -> None:
+        deleted = self._cursor.run("delete_run", {**self._key, "run_id": self._text(run_id)})
+        self._runs[run_id] = None
+        if self._holders is not None:
+            self._count -= deleted
+            self._holders.pop(run_id, None)
+
+    def holders(self) -> list[RunRecord]:
+        return [run.copy() for run in sorted(self._summary().values(), key=lambda r: r.token)]
+
+    def count_runs(self) -> int:
+        self._summary()
+        return self._count
+
+    def waiters_from(self, after_seq: int, count: int) -> list[RunRecord]:
+        if not self._waiters_exist():
+            return []
+        rows = self._cursor.all("waiters_from", {**self._key, "after_seq": after_seq, "count": count})
+        return [self._keep(_record(row, self._load)).copy() for row in rows]
+
+    def waiters_before(self, seq: int) -> int:
+        if not self._waiters_exist():
+            return 0
+        row = self._cursor.one("waiters_before", {**self._key, "seq": seq})
+        return int(row[0]) if row else 0
+
+    def unconfirmed_before(self, created_before: float) -> list[str]:
+        if not self._waiters_exist():
+            return []
+        rows = self._cursor.all("unconfirmed_before", {**self._key, "created_before": created_before})
+        return [self._load(str(row[0])) for row in rows]
+
+    def settled_generation(self, run_id: str, now: float) -> int | None:
+        row = self._cursor.one("settled_generation", {**self._key, "run_id": self._text(run_id), "now": now})
+        return None if row is None else int(row[0])
+
+    def mark_settled(self, run_id: str, generation: int, expires_at: float, now: float) -> None:
+        self._cursor.run("delete_expired_settled", {**self._key, "now": now})
+        self._cursor.run(
+            "mark_settled",
+            {**self._key, "run_id": self._text(run_id), "generation": generation, "expires_at": expires_at},
+        )
+
+    def clear_settled(self, run_id: str) -> None:
+        self._cursor.run("clear_settled", {**self._key, "run_id": self._text(run_id)})
+
+
+class SQLStore(RuleStore):
+    """The gate's rules over SQL rows; a subclass supplies connections (:meth:`_begin`)."""
+
+    dialect: ClassVar[Dialect]
+
+    @abc.abstractmethod
+    def _begin(self, *, write: bool) -> contextlib.AbstractContextManager[SQLCursor]:
+        """A cursor in a transaction: committed on exit, rolled back on error.
+
+        ``write``: the transaction will write (SQLite takes its write lock before reading).
+        """
+
+    @contextlib.contextmanager
+    def transaction(self, scope: str, key: str) -> Iterator[KeyTransaction]:
+        with self._begin(write=True) as cursor:
+            tx = SQLKeyTransaction(cursor, self.namespace, scope, key)
+            tx.lock(create=True)
+            yield tx
+            tx.finish()
+
+    def _heartbeat_batch(self, holders: Sequence[HolderRef], now: float) -> list[bool]:
+        alive = [False] * len(holders)
+        if not holders:
+            return alive
+        by_key: dict[tuple[str, str], list[int]] = defaultdict(list)
+        for index, ref in enumerate(holders):
+            by_key[(ref.scope, ref.key)].append(index)
+        with self._begin(write=True) as cursor:
+            # One transaction for the batch; keys locked in sorted order, so two batches never
+            # deadlock (every other transaction locks a single key).
+            for scope, key in sorted(by_key):
+                tx = SQLKeyTransaction(cursor, self.namespace, scope, key)
+                if not tx.lock(create=False):
+                    continue  # no key row: none of these runs holds anything
+                for index in by_key[(scope, key)]:
+                    ref = holders[index]
+                    alive[index] = gate.heartbeat(tx, ref.run_id, ref.token, now=now)
+        return alive
+
+    def snapshot(self, *, now: float, scope: str | None = None, key: str | None = None) -> list[KeySnapshot]:
+        text, load = self.dialect.store_text, self.dialect.load_text
+        with self._begin(write=False) as cursor:
+            rows = cursor.all(
+                "snapshot",
+                {
+                    "namespace": text(self.namespace),
+                    "scope": None if scope is None else text(scope),
+                    "key": None if key is None else text(key),
+                },
+            )
+        metas: dict[tuple[str, str], KeyMeta] = {}
+        runs: dict[tuple[str, str], list[RunRecord]] = defaultdict(list)
+        for row in rows:
+            ident = (load(str(row[0])), load(str(row[1])))
+            metas[ident] = KeyMeta(token=int(row[2]), seq=int(row[3]), limit=int(row[4]))
+            runs[ident].append(_record(row[5:], load))
+        return [snapshot_of(s, k, metas[(s, k)], runs[(s, k)]) for s, k in sorted(metas)]
+
+    @staticmethod
+    def _has_version_table(cursor: SQLCursor) -> bool:
+        row = cursor.one("schema_table_exists", {})
+        return bool(row and row[0])
+
+    @classmethod
+    def _read_version(cls, cursor: SQLCursor) -> int | None:
+        if not cls._has_version_table(cursor):
+            return None
+        row = cursor.one("schema_version", {})
+        return None if row is None or row[0] is None else int(row[0])
+
+    def schema_version(self) -> int | None:
+        with self._begin(write=False) as cursor:
+            return self._read_version(cursor)
+
+    def migrate(self) -> None:
+        """Install the schema on an empty database or apply the due migrations, in one transaction."""
+        with self._begin(write=True) as cursor:
+            if "migration_lock" in cursor.queries:
+                cursor.run("migration_lock", {})
+            if not self._has_version_table(cursor):  # an empty database: the schema file, at once
+                cursor.script(schema_script(self.dialect))
+                return
+            current = self._read_version(cursor) or 0
+            if current > SCHEMA_VERSION:
+                raise SchemaVersionError(
+                    f"{self!r}: schema version {current} is newer than this library's {SCHEMA_VERSION}; "
+                    f"upgrade singleton-tasks"
+                )
+            for version, script in migration_scripts(self.dialect):
+                if version > current:
+                    cursor.script(script)
+
+    def set_schema_version_for_tests(self, version: int | None) -> None:
+        """Pretend another library version wrote this database (the schema-mismatch tests)."""
+        with self._begin(write=True) as cursor:
+            cursor.run("clear_schema_version", {})
+            if version is not None:
+                cursor.run("insert_schema_version", {"version": version})

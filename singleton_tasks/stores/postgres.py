@@ -1,0 +1,111 @@
+"""``postgresql://…`` (or ``postgres://…``): psycopg 3 and a connection pool (SPEC §8).
+
+Every operation on a key first locks that key's row (created on first use), so admissions
+for different keys never wait on each other. The schema is created and upgraded by
+``singleton-tasks migrate`` (:meth:`PostgresStore.migrate`), never implicitly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import psycopg.conninfo
+from psycopg_pool import ConnectionPool
+
+from ..errors import SingletonConfigError, StoreUnavailableError
+from ..gate import Timings
+from ._sql import POSTGRES, SQLCursor, SQLStore
+
+# Pools inherited through a fork: their connections belong to the parent (closing them here
+# would end the parent's sessions), so the child only keeps them from being garbage-collected.
+_FORK_ORPHANS: list[ConnectionPool[Any]] = []
+
+
+class PostgresStore(SQLStore):
+    """The gate's rules over PostgreSQL rows, one row lock per key.
+
+    Options: ``min_size`` / ``max_size`` of the pool (opened at first use), ``timeout``: how long
+    an operation may wait for a connection or for a key's lock before it fails with
+    :class:`~singleton_tasks.errors.StoreUnavailableError`.
+    """
+
+    schemes = ("postgresql", "postgres")
+    dialect = POSTGRES
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        namespace: str = "default",
+        timings: Timings | None = None,
+        min_size: int = 1,
+        max_size: int = 10,
+        timeout: float = 30.0,
+    ) -> None:
+        super().__init__(url, namespace=namespace, timings=timings)
+        if not (
+            isinstance(min_size, int)
+            and isinstance(max_size, int)
+            and 0 <= min_size <= max_size
+            and max_size >= 1
+        ):
+            raise SingletonConfigError(
+                f"pool sizes need 0 <= min_size <= max_size and max_size >= 1, got {min_size}, {max_size}"
+            )
+        if not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise SingletonConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        try:
+            psycopg.conninfo.conninfo_to_dict(url)
+        except psycopg.Error as error:
+            raise SingletonConfigError(f"malformed PostgreSQL store URL {self.url}: {error}") from None
+        self._conninfo = url  # never shown: self.url is the redacted one
+        self.min_size, self.max_size, self.timeout = min_size, max_size, float(timeout)
+        self._lock = threading.Lock()
+        self._pool: ConnectionPool[Any] | None = None
+        self._pool_pid = 0
+
+    def _configure(self, connection: psycopg.Connection[Any]) -> None:
+        # A key row locked by a stuck session fails the operation (deferred, retried) after
+        # `timeout` instead of blocking a worker forever.
+        connection.execute("SELECT set_config('lock_timeout', %s, false)", [f"{int(self.timeout * 1000)}ms"])
+        connection.commit()
+
+    def _get_pool(self) -> ConnectionPool[Any]:
+        with self._lock:
+            if self._pool is not None and self._pool_pid != os.getpid():
+                _FORK_ORPHANS.append(self._pool)
+                self._pool = None
+            if self._pool is None:
+                pool: ConnectionPool[Any] = ConnectionPool(
+                    self._conninfo,
+                    min_size=self.min_size,
+                    max_size=self.max_size,
+                    timeout=self.timeout,
+                    configure=self._configure,
+                    name=f"singleton-tasks {self.url}",
+                    open=False,
+                )
+                pool.open(wait=False)
+                self._pool, self._pool_pid = pool, os.getpid()
+            return self._pool
+
+    @contextlib.contextmanager
+    def _begin(self, *, write: bool) -> Iterator[SQLCursor]:
+        # The pool's connection context commits on exit and rolls back on an error; a broken
+        # connection is discarded by the pool.
+        try:
+            with self._get_pool().connection() as connection, connection.cursor() as raw:
+                yield SQLCursor(raw, self.dialect, (psycopg.Error,), self.url)
+        except psycopg.Error as error:  # pool timeouts included (PoolTimeout is one)
+            raise StoreUnavailableError(f"{self.url}: {type(error).__name__}: {error}") from error
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None and self._pool_pid == os.getpid():
+            pool.close()

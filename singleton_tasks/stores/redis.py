@@ -1,0 +1,378 @@
+"""``redis://`` / ``rediss://``: the gate's rules as Lua scripts, one EVALSHA per operation.
+
+The scripts in ``lua/`` mirror :mod:`singleton_tasks.gate` branch for branch (``lua/lib.lua``
+holds the shared building blocks and the data layout); the contract suite keeps the two
+identical. All data of one scope+key lives under one hash tag derived from a digest of the
+scope and key, so the store works on Redis Cluster and any key text round-trips unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterator, Sequence
+from importlib import resources
+from typing import Any, NoReturn
+from urllib.parse import urlsplit
+
+import redis
+import redis.exceptions
+from redis.commands.core import Script
+
+from ..errors import SingletonConfigError, StoreUnavailableError
+from ..gate import KeyMeta, RunRecord, Timings
+from ..outcomes import (
+    ClaimOutcome,
+    Decision,
+    HolderRef,
+    KeySnapshot,
+    Registered,
+    RegisterOutcome,
+    ReleaseOutcome,
+    RunSpec,
+    RunState,
+    Wake,
+)
+from .base import SCHEMA_VERSION, Store, snapshot_of
+
+_OPERATIONS = ("register", "confirm", "unregister", "claim", "suspend", "heartbeat", "release", "snapshot")
+_GLOB_SPECIAL = re.compile(rb"([*?\[\]\\])")
+_TAG_PATTERN = b"{" + b"[0-9a-f]" * 40 + b"}"
+
+
+def _load_scripts() -> dict[str, str]:
+    """Each operation's script: ``lib.lua`` (shared helpers) followed by the operation."""
+    folder = resources.files(__package__ or "singleton_tasks.stores") / "lua"
+    lib = (folder / "lib.lua").read_text(encoding="utf-8")
+    return {name: lib + "\n" + (folder / f"{name}.lua").read_text(encoding="utf-8") for name in _OPERATIONS}
+
+
+def _text(value: str) -> bytes:
+    # surrogatepass: any Python str round-trips, even one a strict UTF-8 codec would refuse.
+    return value.encode("utf-8", "surrogatepass")
+
+
+def _str(value: bytes) -> str:
+    return value.decode("utf-8", "surrogatepass")
+
+
+def _time(value: float) -> bytes:
+    # repr() is the shortest text that reads back as the same double, in Python and in Lua.
+    return repr(float(value)).encode()
+
+
+def _int(value: int) -> bytes:
+    return str(int(value)).encode()
+
+
+def _opt_time(value: float | None) -> bytes:
+    return b"" if value is None else _time(value)  # '' stands for None in the scripts
+
+
+def _opt_int(value: int | None) -> bytes:
+    return b"" if value is None else _int(value)
+
+
+def _password(url: str) -> str | None:
+    try:
+        return urlsplit(url).password
+    except ValueError:
+        return None
+
+
+def _glob_escape(value: bytes) -> bytes:
+    return _GLOB_SPECIAL.sub(rb"\\\1", value)
+
+
+def _maybe_int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def _wakes(scope: str, key: str, rows: Sequence[Sequence[Any]]) -> tuple[Wake, ...]:
+    return tuple(Wake(scope, key, _str(run_id), int(gen), payload) for run_id, gen, payload in rows)
+
+
+def _names(rows: Sequence[bytes]) -> tuple[str, ...]:
+    return tuple(_str(run_id) for run_id in rows)
+
+
+def _pairs(flat: Sequence[bytes]) -> dict[bytes, bytes]:
+    return dict(zip(flat[::2], flat[1::2], strict=True))
+
+
+def _run_record(run_id: bytes, fields: dict[bytes, bytes]) -> RunRecord:
+    orphan = fields.get(b"orphan_timeout", b"")
+    live = fields.get(b"live", b"")
+    return RunRecord(
+        run_id=_str(run_id),
+        seq=int(fields[b"seq"]),
+        state=RunState(fields[b"state"].decode()),
+        created_at=float(fields[b"created_at"]),
+        confirmed=fields[b"confirmed"] == b"1",
+        generation=int(fields[b"generation"]),
+        live=[int(g) for g in live.split(b",")] if live else [],
+        payload=fields.get(b"payload"),
+        token=int(fields[b"token"]),
+        holder_generation=int(fields[b"holder_generation"]),
+        admitted_at=float(fields[b"admitted_at"]),
+        heartbeat_at=float(fields[b"heartbeat_at"]),
+        lease_expires_at=float(fields[b"lease_expires_at"]),
+        executing=fields[b"executing"] == b"1",
+        lease=float(fields[b"lease"]),
+        orphan_timeout=float(orphan) if orphan else None,
+    )
+
+
+class RedisStore(Store):
+    """The gate's rules in Lua on one Redis server (data laid out to be Redis Cluster ready).
+
+    ``redis_options`` go to :meth:`redis.Redis.from_url` (timeouts, TLS settings, ...);
+    replies must stay bytes, so ``decode_responses`` is refused.
+    """
+
+    schemes = ("redis", "rediss")
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        namespace: str = "default",
+        timings: Timings | None = None,
+        **redis_options: Any,
+    ) -> None:
+        super().__init__(url, namespace=namespace, timings=timings)
+        if redis_options.get("decode_responses"):
+            raise SingletonConfigError(f"{self!r}: decode_responses is not supported (payloads are bytes)")
+        try:
+            self._client: redis.Redis = redis.Redis.from_url(url, **redis_options)
+            # Connections are made lazily: build one (unconnected) now so a bad option fails here.
+            pool = self._client.connection_pool
+            pool.connection_class(**pool.connection_kwargs)
+        except (ValueError, TypeError) as error:
+            # The driver's message may quote the URL: never let it show the password.
+            detail, password = str(error), _password(url)
+            if password and password in detail:
+                detail = type(error).__name__
+            raise SingletonConfigError(f"invalid Redis store {self.url}: {detail}") from None
+        self._scripts: dict[str, Script] = {
+            name: self._client.register_script(text) for name, text in _load_scripts().items()
+        }
+        self._ns = _text(self.namespace)
+
+    # -- keys ---------------------------------------------------------------------------------
+
+    def _prefix(self, scope: str, key: str) -> bytes:
+        """``<namespace>:{<sha1>}:``: the hash tag is a digest, never the user's text."""
+        scope_b, key_b = _text(scope), _text(key)
+        # The length prefix keeps (scope, key) pairs apart even if the scope holds a NUL.
+        digest = hashlib.sha1(b"%d\0%s\0%s" % (len(scope_b), scope_b, key_b)).hexdigest()
+        return self._ns + b":{" + digest.encode() + b"}:"
+
+    def _keys(self, scope: str, key: str, run_id: str) -> list[bytes]:
+        prefix, run = self._prefix(scope, key), _text(run_id)
+        return [
+            prefix + b"meta",
+            prefix + b"waiters",
+            prefix + b"holders",
+            prefix + b"ghosts",
+            prefix + b"run:" + run,
+            prefix + b"settled:" + run,
+        ]
+
+    @property
+    def _schema_key(self) -> bytes:
+        return self._ns + b":schema"
+
+    # -- plumbing -----------------------------------------------------------------------------
+
+    def _fail(self, error: redis.exceptions.RedisError) -> NoReturn:
+        raise StoreUnavailableError(f"{self!r}: {type(error).__name__}: {error}") from error
+
+    def _run(self, name: str, keys: Sequence[bytes], args: Sequence[bytes | str]) -> Any:
+        """One EVALSHA (redis-py reloads the script once on NOSCRIPT)."""
+        try:
+            return self._scripts[name](keys=list(keys), args=list(args))
+        except redis.exceptions.RedisError as error:
+            self._fail(error)
+
+    def _key_op(self, name: str, scope: str, key: str, run_id: str, *args: bytes) -> Any:
+        return self._run(
+            name, self._keys(scope, key, run_id), [_text(scope), _text(key), _text(run_id), *args]
+        )
+
+    # -- the protocol -------------------------------------------------------------------------
+
+    def register(self, spec: RunSpec, *, now: float, confirmed: bool = True) -> RegisterOutcome:
+        status, in_flight = self._key_op(
+            "register",
+            spec.scope,
+            spec.key,
+            spec.run_id,
+            _time(now),
+            b"1" if confirmed else b"0",
+            _int(spec.limit),
+            _opt_int(spec.max_queue_depth),
+            _time(spec.lease),
+            _opt_time(spec.orphan_timeout),
+            _time(self.timings.registration_grace),
+        )
+        return RegisterOutcome(Registered(status.decode()), int(in_flight))
+
+    def confirm(self, scope: str, key: str, run_id: str, *, now: float) -> bool:
+        return bool(self._key_op("confirm", scope, key, run_id))
+
+    def unregister(self, scope: str, key: str, run_id: str, *, now: float) -> bool:
+        return bool(self._key_op("unregister", scope, key, run_id))
+
+    def claim(
+        self, spec: RunSpec, generation: int, payload: bytes | None = None, *, now: float
+    ) -> ClaimOutcome:
+        decision, token, new_generation, position, takeover, evicted, wakes = self._key_op(
+            "claim",
+            spec.scope,
+            spec.key,
+            spec.run_id,
+            _time(now),
+            _int(generation),
+            _int(spec.limit),
+            _time(spec.lease),
+            _opt_time(spec.orphan_timeout),
+            _time(self.timings.registration_grace),
+            b"0" if payload is None else b"1",
+            b"" if payload is None else bytes(payload),
+        )
+        return ClaimOutcome(
+            Decision(decision.decode()),
+            token=_maybe_int(token),
+            generation=_maybe_int(new_generation),
+            position=_maybe_int(position),
+            takeover=bool(takeover),
+            evicted=_names(evicted),
+            wakes=_wakes(spec.scope, spec.key, wakes),
+        )
+
+    def suspend(self, scope: str, key: str, run_id: str, token: int, *, now: float, delay: float) -> bool:
+        return bool(self._key_op("suspend", scope, key, run_id, _time(now), _int(token), _time(delay)))
+
+    def release(
+        self,
+        scope: str,
+        key: str,
+        run_id: str,
+        *,
+        token: int | None,
+        generation: int | None = None,
+        now: float,
+    ) -> ReleaseOutcome:
+        released, lost, wakes, evicted = self._key_op(
+            "release",
+            scope,
+            key,
+            run_id,
+            _time(now),
+            _opt_int(token),
+            _opt_int(generation),
+            _time(self.timings.registration_grace),
+            _time(self.timings.settled_ttl),
+        )
+        return ReleaseOutcome(
+            released=bool(released), lost=bool(lost), wakes=_wakes(scope, key, wakes), evicted=_names(evicted)
+        )
+
+    def heartbeat(self, holders: Sequence[HolderRef], *, now: float) -> list[str]:
+        if not holders:
+            return []
+        keys = [self._prefix(ref.scope, ref.key) + b"run:" + _text(ref.run_id) for ref in holders]
+        alive = self._run("heartbeat", keys, [_time(now), *(_int(ref.token) for ref in holders)])
+        return [ref.run_id for ref, ok in zip(holders, alive, strict=True) if not ok]
+
+    # -- inspection ---------------------------------------------------------------------------
+
+    def _scan(self, suffix: bytes) -> Iterator[bytes]:
+        """Every key ``<namespace>:{<digest>}:<suffix>`` (glob characters in it escaped)."""
+        pattern = _glob_escape(self._ns) + b":" + _TAG_PATTERN + b":" + _glob_escape(suffix)
+        try:
+            yield from self._client.scan_iter(match=pattern, count=1000)
+        except redis.exceptions.RedisError as error:
+            self._fail(error)
+
+    def _snapshot_of(self, meta_key: bytes) -> KeySnapshot | None:
+        prefix = meta_key[: -len(b"meta")]
+        reply = self._run("snapshot", [meta_key, prefix + b"waiters", prefix + b"holders"], [])
+        if not reply:
+            return None
+        meta_flat, runs = reply
+        meta = _pairs(meta_flat)
+        records = [_run_record(run_id, _pairs(flat)) for run_id, flat in runs]
+        key_meta = KeyMeta(token=int(meta[b"token"]), seq=int(meta[b"seq"]), limit=int(meta[b"limit"]))
+        return snapshot_of(_str(meta[b"scope"]), _str(meta[b"key"]), key_meta, records)
+
+    def snapshot(self, *, now: float, scope: str | None = None, key: str | None = None) -> list[KeySnapshot]:
+        if scope is not None and key is not None:
+            meta_keys: list[bytes] = [self._prefix(scope, key) + b"meta"]
+        else:
+            meta_keys = list(self._scan(b"meta"))
+        snaps = []
+        for meta_key in meta_keys:
+            snap = self._snapshot_of(meta_key)
+            if (
+                snap is None
+                or (scope is not None and snap.scope != scope)
+                or (key is not None and snap.key != key)
+            ):
+                continue
+            snaps.append(snap)
+        return sorted(snaps, key=lambda s: (s.scope, s.key))
+
+    def operator_release(self, run_id: str, *, now: float) -> ReleaseOutcome | None:
+        """Find the run's hashes by name (a SCAN, not a snapshot of every key), then release it.
+
+        A run id registered under several keys is released from the first in (scope, key)
+        order, as the base class does.
+        """
+        suffix = b"run:" + _text(run_id)
+        owners = []
+        for run_key in self._scan(suffix):
+            meta_key = run_key[: -len(suffix)] + b"meta"
+            try:
+                scope, key = self._client.hmget(meta_key, ["scope", "key"])
+            except redis.exceptions.RedisError as error:
+                self._fail(error)
+            if isinstance(scope, bytes) and isinstance(key, bytes):
+                owners.append((_str(scope), _str(key)))
+        if not owners:
+            return None
+        scope_s, key_s = min(owners)
+        return self.release(scope_s, key_s, run_id, token=None, now=now)
+
+    # -- schema and lifecycle -----------------------------------------------------------------
+
+    def schema_version(self) -> int | None:
+        try:
+            value = self._client.get(self._schema_key)
+        except redis.exceptions.RedisError as error:
+            self._fail(error)
+        return None if value is None else int(value)
+
+    def migrate(self) -> None:
+        # Version 1 needs no data conversion: the version key is the whole schema.
+        self._write_schema_version(SCHEMA_VERSION)
+
+    def set_schema_version_for_tests(self, version: int | None) -> None:
+        """Pretend another library version wrote this server (the contract suite's mismatch test)."""
+        self._write_schema_version(version)
+
+    def _write_schema_version(self, version: int | None) -> None:
+        try:
+            if version is None:
+                self._client.delete(self._schema_key)
+            else:
+                self._client.set(self._schema_key, str(version))
+        except redis.exceptions.RedisError as error:
+            self._fail(error)
+
+    def close(self) -> None:
+        try:
+            self._client.close()
+        except redis.exceptions.RedisError as error:
+            self._fail(error)

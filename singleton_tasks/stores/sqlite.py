@@ -1,0 +1,137 @@
+"""``sqlite:///path.db``: one host, many processes and threads; the embedded default (SPEC §8).
+
+``sqlite:///relative.db`` is relative to the working directory, ``sqlite:////abs/path.db``
+absolute. The database runs in WAL mode; every operation is one ``BEGIN IMMEDIATE``
+transaction (the write lock is taken before reading, so competing claims are serialized),
+and waits up to ``busy_timeout`` seconds for that lock. Each thread has its own connection.
+``sqlite:///:memory:`` keeps the data in this process only (one shared connection).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sqlite3
+import threading
+import weakref
+from collections.abc import Iterator
+from urllib.parse import unquote, urlsplit
+
+from ..errors import SingletonConfigError, StoreUnavailableError
+from ..gate import Timings
+from ._sql import SQLITE, SQLCursor, SQLStore
+
+# Connections inherited through a fork: never used or closed by the child (closing one there
+# can disturb the parent's locks), only kept from being garbage-collected.
+_FORK_ORPHANS: list[sqlite3.Connection] = []
+
+
+def sqlite_path(url: str) -> str:
+    """The database path of a ``sqlite://`` URL (one leading slash is the URL's)."""
+    parts = urlsplit(url)
+    if parts.netloc or parts.query or parts.fragment or not parts.path.startswith("/") or len(parts.path) < 2:
+        raise SingletonConfigError(
+            f"malformed SQLite store URL {url!r}: expected sqlite:///relative.db or sqlite:////absolute.db "
+            "(options are keyword arguments, e.g. busy_timeout=30.0)"
+        )
+    return unquote(parts.path[1:])
+
+
+class SQLiteStore(SQLStore):
+    """The gate's rules over a SQLite database file."""
+
+    schemes = ("sqlite",)
+    dialect = SQLITE
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        namespace: str = "default",
+        timings: Timings | None = None,
+        busy_timeout: float = 30.0,
+    ) -> None:
+        super().__init__(url, namespace=namespace, timings=timings)
+        if not isinstance(busy_timeout, (int, float)) or busy_timeout < 0:
+            raise SingletonConfigError(f"busy_timeout must be a number of seconds >= 0, got {busy_timeout!r}")
+        self.path = sqlite_path(url)
+        self.busy_timeout = float(busy_timeout)
+        self._memory = self.path == ":memory:"
+        self._lock = threading.Lock()  # guards the bookkeeping; serializes all use when in memory
+        self._local = threading.local()
+        self._connections: list[tuple[weakref.ref[threading.Thread], int, sqlite3.Connection]] = []
+        self._shared: sqlite3.Connection | None = None
+
+    def _connect(self) -> sqlite3.Connection:
+        try:
+            # isolation_level=None: the driver never opens transactions itself; we BEGIN/COMMIT.
+            connection = sqlite3.connect(
+                self.path, timeout=self.busy_timeout, isolation_level=None, check_same_thread=False
+            )
+        except sqlite3.Error as error:
+            raise StoreUnavailableError(f"{self.url}: cannot open {self.path!r}: {error}") from error
+        try:
+            if not self._memory:
+                # Persistent in the file; readers never block the writer. synchronous stays FULL
+                # (the default): a committed admission survives a power loss.
+                connection.execute("PRAGMA journal_mode=WAL")
+        except sqlite3.Error as error:
+            connection.close()
+            raise StoreUnavailableError(f"{self.url}: cannot enable WAL on {self.path!r}: {error}") from error
+        return connection
+
+    def _connection(self) -> sqlite3.Connection:
+        """This thread's connection (in memory: the one shared connection)."""
+        if self._memory:
+            if self._shared is None:
+                self._shared = self._connect()
+            return self._shared
+        pid = os.getpid()
+        connection: sqlite3.Connection | None = getattr(self._local, "connection", None)
+        if connection is not None and self._local.pid == pid:
+            return connection
+        if connection is not None:
+            _FORK_ORPHANS.append(connection)
+        connection = self._connect()
+        self._local.connection, self._local.pid = connection, pid
+        with self._lock:
+            kept = []
+            for thread_ref, owner_pid, other in self._connections:
+                thread = thread_ref()
+                if owner_pid == pid and (thread is None or not thread.is_alive()):
+                    other.close()  # its thread is gone: nobody else can be using it
+                elif owner_pid == pid:
+                    kept.append((thread_ref, owner_pid, other))
+            kept.append((weakref.ref(threading.current_thread()), pid, connection))
+            self._connections = kept
+        return connection
+
+    @contextlib.contextmanager
+    def _begin(self, *, write: bool) -> Iterator[SQLCursor]:
+        with self._lock if self._memory else contextlib.nullcontext():
+            connection = self._connection()
+            try:
+                connection.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+            except sqlite3.Error as error:
+                raise StoreUnavailableError(f"{self.url}: cannot begin a transaction: {error}") from error
+            try:
+                yield SQLCursor(connection.cursor(), self.dialect, (sqlite3.Error,), self.url)
+                connection.execute("COMMIT")
+            except BaseException as error:
+                if connection.in_transaction:
+                    with contextlib.suppress(sqlite3.Error):
+                        connection.execute("ROLLBACK")
+                if isinstance(error, sqlite3.Error):
+                    raise StoreUnavailableError(f"{self.url}: cannot commit: {error}") from error
+                raise
+
+    def close(self) -> None:
+        with self._lock:
+            connections = [c for _t, pid, c in self._connections if pid == os.getpid()]
+            if self._shared is not None:
+                connections.append(self._shared)
+            self._connections, self._shared = [], None
+            self._local = threading.local()
+        for connection in connections:
+            with contextlib.suppress(sqlite3.Error):
+                connection.close()

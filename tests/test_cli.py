@@ -1,0 +1,413 @@
+"""The ``singleton-tasks`` command against real stores with seeded state."""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import dramatiq
+import pytest
+from click.testing import CliRunner, Result
+from conftest import POSTGRES_URL, REDIS_URL, StoreFactory, require_server
+
+from singleton_tasks import Store, clock, store_from_url
+from singleton_tasks.cli import TopState, cli, render_top_frame
+from singleton_tasks.outcomes import Decision, Registered, RunSpec
+from singleton_tasks.stores import SCHEMA_VERSION
+
+SCOPE = "inv"
+WIDE = {"COLUMNS": "200"}  # rich wraps at 80 columns when it sees no terminal
+
+
+@dataclass
+class Seeded:
+    store: Store
+    url: str
+    now: float
+    a0: str  # holder of store:A, executing, admitted 20 s ago
+    a1: str  # store:A waiter 1, gated
+    a2: str  # store:A waiter 2, pending (registered, never delivered)
+    b0: str  # holder of store:B, waiting for its retry
+    c0: str  # holder of store:C, executing
+
+    def args(self, *more: str) -> list[str]:
+        return [*more, "--store", self.url, "--namespace", self.store.namespace]
+
+
+def spec(key: str, run_id: str) -> RunSpec:
+    return RunSpec(scope=SCOPE, key=key, run_id=run_id, limit=1, lease=60.0, orphan_timeout=600.0)
+
+
+def seed(store: Store, url: str) -> Seeded:
+    """Three keys, one slot each; store:A backed up with a gated and a pending waiter."""
+    now = clock.now()
+    ids = {name: f"{name}-{uuid.uuid4().hex[:8]}" for name in ("a0", "a1", "a2", "b0", "c0")}
+    for name, key in (
+        ("a0", "store:A"),
+        ("a1", "store:A"),
+        ("a2", "store:A"),
+        ("b0", "store:B"),
+        ("c0", "store:C"),
+    ):
+        assert store.register(spec(key, ids[name]), now=now - 30).status is Registered.REGISTERED
+    for name, key in (("a0", "store:A"), ("b0", "store:B"), ("c0", "store:C")):
+        assert store.claim(spec(key, ids[name]), 0, None, now=now - 20).decision is Decision.ADMITTED
+    message = dramatiq.Message(
+        queue_name="inv", actor_name="sync", args=("A",), kwargs={}, options={}, message_id=ids["a1"]
+    )
+    gated = store.claim(spec("store:A", ids["a1"]), 0, message.encode(), now=now - 10)
+    assert gated.decision is Decision.GATED
+    b0_token = store.snapshot(now=now, scope=SCOPE, key="store:B")[0].holders[0].token
+    assert store.suspend(SCOPE, "store:B", ids["b0"], b0_token, now=now - 10, delay=5.0)
+    return Seeded(store=store, url=url, now=now, **ids)
+
+
+def url_of(store: Store, backend: str, tmp_path: Path) -> str:
+    """The URL the CLI opens to see the fixture's store (none of these carry a password)."""
+    if backend == "sqlite":
+        return f"sqlite:///{tmp_path / 'singleton.db'}"
+    return store.url
+
+
+@pytest.fixture
+def seeded(store_factory: StoreFactory, backend: str, tmp_path: Path) -> Seeded:
+    store = store_factory()
+    return seed(store, url_of(store, backend, tmp_path))
+
+
+def invoke(args: list[str], input: str | None = None) -> Result:
+    return CliRunner().invoke(cli, args, input=input, env=WIDE, catch_exceptions=False)
+
+
+def key_doc(document: dict[str, Any], key: str) -> dict[str, Any]:
+    [found] = [k for k in document["keys"] if k["key"] == key]
+    return found
+
+
+# -- inspect ---------------------------------------------------------------------------------------
+
+
+def test_inspect_json_shows_holders_and_waiters_in_order(seeded: Seeded) -> None:
+    result = invoke(seeded.args("inspect", "--json"))
+    assert result.exit_code == 0, result.output
+    document = json.loads(result.stdout)
+
+    assert document["format"] == 1
+    assert document["schema_version"] == SCHEMA_VERSION
+    assert document["namespace"] == seeded.store.namespace
+    assert document["totals"] == {"keys": 3, "holders": 3, "waiters": 2}
+    assert [(k["scope"], k["key"]) for k in document["keys"]] == [
+        (SCOPE, "store:A"),
+        (SCOPE, "store:B"),
+        (SCOPE, "store:C"),
+    ]
+
+    a = key_doc(document, "store:A")
+    assert a["limit"] == 1 and a["token"] >= 1
+    [holder] = a["holders"]
+    assert holder["run_id"] == seeded.a0
+    assert holder["token"] == a["token"]
+    assert holder["status"] == "executing"
+    assert holder["lease_expired"] is False
+    assert 19.5 <= holder["lease_age"] < 60
+    assert holder["admitted_at"] == pytest.approx(seeded.now - 20, abs=0.01)
+    assert [(w["run_id"], w["position"], w["state"]) for w in a["waiters"]] == [
+        (seeded.a1, 1, "gated"),
+        (seeded.a2, 2, "pending"),
+    ]
+    assert all(29.5 <= w["waiting"] < 70 for w in a["waiters"])
+    assert all(w["confirmed"] is True for w in a["waiters"])
+
+    [b_holder] = key_doc(document, "store:B")["holders"]
+    assert (b_holder["run_id"], b_holder["status"]) == (seeded.b0, "waiting_for_retry")
+    assert key_doc(document, "store:B")["waiters"] == []
+
+
+def test_inspect_filters_by_key_and_scope(seeded: Seeded) -> None:
+    only_a = json.loads(invoke(seeded.args("inspect", "--json", "--key", "store:A")).stdout)
+    assert [k["key"] for k in only_a["keys"]] == ["store:A"]
+    assert only_a["totals"] == {"keys": 1, "holders": 1, "waiters": 2}
+    other = json.loads(invoke(seeded.args("inspect", "--json", "--scope", "other")).stdout)
+    assert other["keys"] == [] and other["totals"] == {"keys": 0, "holders": 0, "waiters": 0}
+
+
+def test_inspect_table_lists_every_run(seeded: Seeded) -> None:
+    result = invoke(seeded.args("inspect"))
+    assert result.exit_code == 0, result.output
+    for run_id in (seeded.a0, seeded.a1, seeded.a2, seeded.b0, seeded.c0):
+        assert run_id in result.stdout
+    assert "waiting for retry" in result.stdout
+    assert "3 keys, 3 holders, 2 waiters" in result.stdout
+    assert result.stdout.index(seeded.a1) < result.stdout.index(seeded.a2)  # admission order
+
+
+# -- release ---------------------------------------------------------------------------------------
+
+
+def test_release_frees_the_slot_and_names_the_woken_waiter(
+    seeded: Seeded, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="singleton_tasks"):
+        result = invoke(seeded.args("release", seeded.a0, "--yes"))
+    assert result.exit_code == 0, result.output
+    assert f"released run {seeded.a0}" in result.stdout
+    assert f"woke {seeded.a1}" in result.stdout
+
+    [a] = seeded.store.snapshot(now=clock.now(), scope=SCOPE, key="store:A")
+    assert a.holders == ()
+    assert [w.run_id for w in a.waiters] == [seeded.a1, seeded.a2]
+    # The slot is free: the woken waiter's deferred copy (generation 1) is admitted.
+    claimed = seeded.store.claim(spec("store:A", seeded.a1), 1, None, now=clock.now())
+    assert claimed.decision is Decision.ADMITTED
+
+    [record] = [r for r in caplog.records if "operator release" in r.getMessage()]
+    assert record.levelno == logging.WARNING
+    assert seeded.a0 in record.getMessage() and "@" in record.getMessage()
+
+
+def test_release_of_a_waiter_removes_it_from_the_line(seeded: Seeded) -> None:
+    result = invoke(seeded.args("release", seeded.a1, "--yes"))
+    assert result.exit_code == 0, result.output
+    [a] = seeded.store.snapshot(now=clock.now(), scope=SCOPE, key="store:A")
+    assert [h.run_id for h in a.holders] == [seeded.a0]
+    assert [(w.run_id, w.position) for w in a.waiters] == [(seeded.a2, 1)]
+
+
+def test_release_asks_first_and_unknown_runs_fail(seeded: Seeded) -> None:
+    refused = invoke(seeded.args("release", seeded.c0), input="n\n")
+    assert refused.exit_code == 1
+    assert "Release run" in refused.output
+    assert [h.run_id for h in seeded.store.snapshot(now=clock.now(), key="store:C")[0].holders] == [seeded.c0]
+
+    confirmed = invoke(seeded.args("release", seeded.c0), input="y\n")
+    assert confirmed.exit_code == 0, confirmed.output
+    assert "no waiters left on key 'store:C'" in confirmed.stdout
+    assert seeded.store.snapshot(now=clock.now(), key="store:C") == []
+
+    unknown = invoke(seeded.args("release", "no-such-run", "--yes"))
+    assert unknown.exit_code == 1
+    assert "not registered" in unknown.output
+
+
+def test_release_of_a_holder_with_only_pending_waiters_names_the_next(seeded: Seeded) -> None:
+    seeded.store.release(SCOPE, "store:A", seeded.a1, token=None, now=clock.now())  # a2 is next, pending
+    result = invoke(seeded.args("release", seeded.a0, "--yes"))
+    assert result.exit_code == 0, result.output
+    assert f"next in line: {seeded.a2} (pending)" in result.stdout
+
+
+# -- top -------------------------------------------------------------------------------------------
+
+
+def lane(frame: str, key: str) -> str:
+    [line] = [x for x in frame.splitlines() if f"· {key} " in x]
+    return line
+
+
+def test_top_once_renders_one_lane_per_key(seeded: Seeded) -> None:
+    result = invoke(seeded.args("top", "--once"))
+    assert result.exit_code == 0, result.output
+    frame = result.stdout
+    a, b, c = lane(frame, "store:A"), lane(frame, "store:B"), lane(frame, "store:C")
+    assert "[■] ●○" in a and "1/1 held, 2 waiting, oldest" in a
+    assert "[□]" in b and "0 waiting" in b
+    assert "[■]" in c and "0 waiting" in c
+    assert "keys 3  holders 3  waiters 2  handoffs/s –" in frame
+
+
+def test_top_frame_rates_handoffs_between_frames(seeded: Seeded) -> None:
+    state = TopState()
+    t0 = clock.now()
+    first = render_top_frame(seeded.store, state, now=t0)
+    assert "handoffs/s –" in first
+    [a] = seeded.store.snapshot(now=t0, key="store:A")
+    release = seeded.store.release(SCOPE, "store:A", seeded.a0, token=a.holders[0].token, now=t0 + 0.5)
+    assert [w.run_id for w in release.wakes] == [seeded.a1]
+    assert seeded.store.claim(spec("store:A", seeded.a1), 1, None, now=t0 + 1).decision is Decision.ADMITTED
+    second = render_top_frame(seeded.store, state, now=t0 + 2)
+    assert "handoffs/s 0.5" in second
+    assert "[■] ○" in lane(second, "store:A") and "1 waiting" in lane(second, "store:A")
+
+
+# -- migrate ---------------------------------------------------------------------------------------
+
+
+def test_migrate_check_exit_codes_on_a_fresh_sqlite_file(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'fresh.db'}"
+    before = invoke(["migrate", "--check", "--store", url])
+    assert before.exit_code == 1, before.output
+    assert "upgrade due" in before.output
+    migrated = invoke(["migrate", "--store", url])
+    assert migrated.exit_code == 0, migrated.output
+    after = invoke(["migrate", "--check", "--store", url])
+    assert after.exit_code == 0, after.output
+    assert f"schema version {SCHEMA_VERSION} is current" in after.output
+    store = store_from_url(url)
+    try:
+        assert store.schema_version() == SCHEMA_VERSION
+    finally:
+        store.close()
+
+
+def test_migrate_check_and_inspect_on_a_mismatched_schema() -> None:
+    from singleton_tasks.stores.memory import MemoryStore
+
+    url = f"memory://schema-{uuid.uuid4().hex}"
+    store = MemoryStore(url)
+    store.set_schema_version_for_tests(None)
+    assert invoke(["migrate", "--check", "--store", url]).exit_code == 1
+    assert invoke(["migrate", "--store", url]).exit_code == 0
+    assert invoke(["migrate", "--check", "--store", url]).exit_code == 0
+
+    store.set_schema_version_for_tests(SCHEMA_VERSION + 1)  # written by a newer library
+    newer = invoke(["migrate", "--check", "--store", url])
+    assert newer.exit_code == 1 and "newer" in newer.output
+    refused = invoke(["migrate", "--store", url])
+    assert refused.exit_code == 1 and store.schema_version() == SCHEMA_VERSION + 1
+    inspected = invoke(["inspect", "--store", url])
+    assert inspected.exit_code == 2
+    assert "singleton-tasks migrate" in inspected.output
+
+
+# -- passwords -------------------------------------------------------------------------------------
+
+PASSWORD = "s3cret"
+
+
+def all_commands(url: str, namespace: str, run_id: str) -> list[list[str]]:
+    common = ["--store", url, "--namespace", namespace]
+    return [
+        ["inspect", *common],
+        ["inspect", "--json", *common],
+        ["top", "--once", *common],
+        ["migrate", "--check", *common],
+        # The wake cannot be published (nothing listens on port 1): the error is shown redacted.
+        ["release", run_id, "--yes", "--broker", f"redis://user:{PASSWORD}@127.0.0.1:1/14", *common],
+        ["release", "unknown-run", "--yes", *common],
+    ]
+
+
+def assert_no_password(results: list[Result], caplog: pytest.LogCaptureFixture) -> None:
+    for result in results:
+        assert PASSWORD not in result.output
+        assert PASSWORD not in repr(result.exception or "")
+    assert PASSWORD not in caplog.text
+
+
+def test_no_password_in_output_for_a_reachable_store(caplog: pytest.LogCaptureFixture) -> None:
+    """memory:// and PostgreSQL under trust auth accept the password, so every command succeeds."""
+    urls = [f"memory://user:{PASSWORD}@pw-{uuid.uuid4().hex}"]
+    if POSTGRES_URL == "postgresql://127.0.0.1:5432/test":
+        require_server(POSTGRES_URL, "PostgreSQL")
+        urls.append(f"postgresql://root:{PASSWORD}@127.0.0.1:5432/test")
+    for url in urls:
+        namespace = f"pw{uuid.uuid4().hex[:10]}"
+        store = store_from_url(url, namespace=namespace)
+        try:
+            store.migrate()
+            seeded = seed(store, url)
+            with caplog.at_level(logging.DEBUG):
+                results = [invoke(args) for args in all_commands(url, namespace, seeded.a0)]
+            assert [r.exit_code for r in results] == [0, 0, 0, 0, 0, 1], [r.output for r in results]
+            assert "user:***@" in results[0].output or "root:***@" in results[0].output
+            assert json.loads(results[1].stdout)["store"] == store.url
+            assert "publishing wakes on redis://user:***@127.0.0.1:1/14 failed" in results[4].output
+            assert_no_password(results, caplog)
+        finally:
+            store.close()
+
+
+def test_no_password_in_errors(caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
+    """A refused login, an unknown scheme, a closed port: the error names the redacted URL."""
+    urls = [
+        f"nosuch://user:{PASSWORD}@127.0.0.1/x",
+        f"redis://user:{PASSWORD}@127.0.0.1:1/15",  # nothing listens on port 1
+    ]
+    if REDIS_URL == "redis://127.0.0.1:6379/15":
+        require_server(REDIS_URL, "Redis")
+        urls.append(f"redis://user:{PASSWORD}@127.0.0.1:6379/15")  # no such ACL user: login refused
+    for url in urls:
+        with caplog.at_level(logging.DEBUG):
+            results = [
+                CliRunner().invoke(cli, args, env=WIDE) for args in all_commands(url, "default", "some-run")
+            ]
+        for result in results:
+            assert result.exit_code == 2, (url, result.output, result.exception)
+        if url.startswith("nosuch"):
+            assert "user:***@127.0.0.1" in results[0].output
+        assert_no_password(results, caplog)
+
+
+def test_release_with_a_dramatiq_broker_publishes_the_wake() -> None:
+    from conftest import BROKER_REDIS_URL
+    from dramatiq.brokers.redis import RedisBroker
+
+    require_server(BROKER_REDIS_URL, "Redis")
+    store = store_from_url(f"memory://wake-{uuid.uuid4().hex}")
+    queue = f"cli-wake-{uuid.uuid4().hex[:8]}"
+    holder, waiter = spec("store:W", "holder-1"), spec("store:W", "waiter-1")
+    now = clock.now()
+    store.register(holder, now=now)
+    store.register(waiter, now=now)
+    assert store.claim(holder, 0, None, now=now).decision is Decision.ADMITTED
+    # The waiter's delivery, as the adapter stores it with the claim to wake it later.
+    delivered = dramatiq.Message(
+        queue_name=f"{queue}.DQ", actor_name="sync_inventory", args=("W",), kwargs={},
+        options={"singleton_gen": 0, "redis_message_id": "stale-id", "eta": 1}, message_id="waiter-1",
+    )  # fmt: skip
+    assert store.claim(waiter, 0, delivered.encode(), now=now).decision is Decision.GATED
+
+    broker = RedisBroker(url=BROKER_REDIS_URL, middleware=[])
+    broker.declare_queue(queue)
+    try:
+        args = ["release", "holder-1", "--yes", "--store", store.url, "--broker", BROKER_REDIS_URL]
+        result = invoke(args)
+        assert result.exit_code == 0, result.output
+        assert "woke waiter-1" in result.stdout and "wake message was published" in result.stdout
+        consumer = broker.consume(queue, prefetch=1, timeout=100)
+        received = None
+        for _ in range(50):  # the consumer returns None on each 100 ms timeout
+            received = next(consumer)
+            if received is not None:
+                break
+        assert received is not None, "no wake message on the broker"
+        assert received.message_id == "waiter-1"
+        assert list(received.args) == ["W"]
+        assert received.options.get("redis_message_id") != "stale-id"
+        assert "eta" not in received.options
+        # The message carries the generation the store made live for the wake: it is admitted.
+        claimed = store.claim(waiter, received.options["singleton_gen"], None, now=clock.now())
+        assert claimed.decision is Decision.ADMITTED
+        consumer.ack(received)
+        consumer.close()
+    finally:
+        broker.flush(queue)
+        broker.close()
+
+
+def test_console_entry_point_logs_the_operator_release(tmp_path: Path) -> None:
+    """``main()`` as the console script runs it: the warning reaches stderr, exit codes hold."""
+    import subprocess
+    import sys
+
+    url = f"sqlite:///{tmp_path / 'entry.db'}"
+    command = [sys.executable, "-m", "singleton_tasks.cli"]
+    check = subprocess.run([*command, "migrate", "--check", "--store", url], capture_output=True, text=True)
+    assert check.returncode == 1, check.stderr
+    store = store_from_url(url)
+    try:
+        store.migrate()
+        seeded = seed(store, url)
+        done = subprocess.run(
+            [*command, "release", seeded.a0, "--yes", "--store", url], capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr
+        assert f"woke {seeded.a1}" in done.stdout
+        assert "WARNING singleton_tasks: operator release by " in done.stderr
+        assert seeded.a0 in done.stderr
+    finally:
+        store.close()

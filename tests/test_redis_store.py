@@ -1,0 +1,434 @@
+"""The Redis store against the real server: same answers and state as the memory store, its data
+layout (one hash tag per key, nothing left behind), one EVALSHA per operation, errors."""
+
+from __future__ import annotations
+
+import random
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from conftest import REDIS_URL, require_server
+
+from singleton_tasks.errors import SingletonConfigError, StoreUnavailableError
+from singleton_tasks.gate import Timings
+from singleton_tasks.outcomes import ClaimOutcome, Decision, HolderRef, ReleaseOutcome, RunSpec, RunState
+from singleton_tasks.stores.memory import MemoryStore
+
+redis_mod = pytest.importorskip("redis")
+from singleton_tasks.stores.redis import RedisStore, _run_record, _text  # noqa: E402
+
+pytestmark = pytest.mark.redis
+
+WEIRD_KEYS = [
+    "plain",
+    "{braces}}{",
+    "quotes ' \" `",
+    "new\nline\r\n",
+    "100% -- ; DROP",
+    "emoji 😀🔒",
+    "nul\0byte",
+    "x" * 512,
+    "*?[glob]\\",
+]
+
+
+@pytest.fixture
+def namespace() -> Iterator[str]:
+    require_server(REDIS_URL, "Redis")
+    ns = f"t{uuid.uuid4().hex[:12]}"
+    yield ns
+    client = redis_mod.Redis.from_url(REDIS_URL)
+    for key in client.scan_iter(match=f"{ns}*", count=1000):
+        client.delete(key)
+    client.close()
+
+
+def _redis_state(
+    store: RedisStore, keys: list[tuple[str, str]], *, strays: bool = False
+) -> dict[tuple[str, str], Any]:
+    """The keys' counters and full run records, read straight from Redis (two pipelined reads)."""
+    client = store._client
+    prefixes = [store._prefix(scope, key) for scope, key in keys]
+    pipe = client.pipeline(transaction=True)
+    for prefix in prefixes:
+        pipe.hgetall(prefix + b"meta")
+        pipe.zrange(prefix + b"holders", 0, -1)
+        pipe.zrange(prefix + b"waiters", 0, -1)
+    replies = pipe.execute()
+    metas = replies[0::3]
+    run_ids = [holders + waiters for holders, waiters in zip(replies[1::3], replies[2::3], strict=True)]
+    pipe = client.pipeline(transaction=True)
+    for prefix, ids in zip(prefixes, run_ids, strict=True):
+        for run_id in ids:
+            pipe.hgetall(prefix + b"run:" + run_id)
+    fields = iter(pipe.execute())
+    state: dict[tuple[str, str], Any] = {}
+    for (scope, key), prefix, meta, ids in zip(keys, prefixes, metas, run_ids, strict=True):
+        runs = {run_id.decode("utf-8", "surrogatepass"): _run_record(run_id, next(fields)) for run_id in ids}
+        if not meta:
+            assert not runs
+            continue
+        assert (meta[b"scope"], meta[b"key"]) == (_text(scope), _text(key))
+        if strays:
+            hashes = list(client.scan_iter(match=prefix + b"run:*", count=1000))
+            assert len(hashes) == len(runs), "a run hash outside the holders/waiters indexes"
+        state[(scope, key)] = ((int(meta[b"token"]), int(meta[b"seq"]), int(meta[b"limit"])), runs)
+    return state
+
+
+def _memory_state(store: MemoryStore) -> dict[tuple[str, str], Any]:
+    state: dict[tuple[str, str], Any] = {}
+    for (ns, scope, key), data in store._server.keys.items():
+        if ns == store.namespace and data.meta is not None:
+            meta = data.meta
+            state[(scope, key)] = ((meta.token, meta.seq, meta.limit), dict(data.runs))
+    return state
+
+
+def _norm(outcome: Any) -> Any:
+    """Eviction order is the stores' iteration order of holders: compare it as a set."""
+    if isinstance(outcome, (ClaimOutcome, ReleaseOutcome)):
+        return (type(outcome), {**outcome.__dict__, "evicted": sorted(outcome.evicted)})
+    return outcome
+
+
+class _Differential:
+    def __init__(self, seed: int, namespace: str) -> None:
+        self.rng = random.Random(seed)
+        timings = Timings(
+            registration_grace=self.rng.choice([0.0, 2.0, 5.0]), settled_ttl=self.rng.choice([3.0, 50.0])
+        )
+        self.memory = MemoryStore(f"memory://diff-{uuid.uuid4().hex}", namespace=namespace, timings=timings)
+        self.redis = RedisStore(REDIS_URL, namespace=namespace, timings=timings)
+        self.keys = [("scope", self.rng.choice(WEIRD_KEYS)), ("scope", "other"), ("sc2", "other")]
+        self.runs = [f"run-{i}" for i in range(6)] + ["run {😀}\n"]
+        self.generations: dict[str, set[int]] = {run: {0} for run in self.runs}
+        self.tokens: dict[str, set[int]] = {run: {1} for run in self.runs}
+        self.limits = {k: self.rng.choice([1, 1, 2, 3]) for k in self.keys}
+        self.now = 1000.0 if seed % 2 == 0 else 1000.0 + self.rng.random()
+
+    def spec(self, key: tuple[str, str], run: str) -> RunSpec:
+        rng = self.rng
+        return RunSpec(
+            key[0],
+            key[1],
+            run,
+            limit=self.limits[key],
+            max_queue_depth=rng.choice([None, 0, 1, 3]),
+            lease=rng.choice([1.5, 4.0, 30.0]),
+            orphan_timeout=rng.choice([None, 0.5, 3.0, 20.0]),
+        )
+
+    def step(self) -> tuple[str, Any, Any]:
+        rng = self.rng
+        # Mostly exact binary steps, so that boundaries (lease end == now, ...) are hit exactly.
+        self.now += rng.choice([0.0, 0.0, 0.0, 0.5, 0.5, 1.0, 1.5, 3.0, 7.0, 0.1])
+        now = self.now
+        key = self.keys[0] if rng.random() < 0.6 else rng.choice(self.keys)
+        run = rng.choice(self.runs)
+        op = rng.choice(
+            [
+                "register",
+                "register",
+                "confirm",
+                "unregister",
+                "claim",
+                "claim",
+                "claim",
+                "claim",
+                "suspend",
+                "heartbeat",
+                "release",
+                "release",
+                "operator_release",
+                "snapshot",
+            ]
+        )
+        results = []
+        saved = rng.getstate()
+        for store in (self.memory, self.redis):
+            rng.setstate(saved)  # both stores see the same random choices
+            if op == "register":
+                results.append(store.register(self.spec(key, run), now=now, confirmed=rng.random() < 0.6))
+            elif op == "confirm":
+                results.append(store.confirm(*key, run, now=now))
+            elif op == "unregister":
+                results.append(store.unregister(*key, run, now=now))
+            elif op == "claim":
+                generation = rng.choice([*sorted(self.generations[run])[-3:], rng.randrange(0, 12)])
+                payload = rng.choice([None, b"", b"\x00\xff payload " + run.encode()])
+                results.append(store.claim(self.spec(key, run), generation, payload, now=now))
+            elif op == "suspend":
+                token = rng.choice(sorted(self.tokens[run]))
+                results.append(store.suspend(*key, run, token, now=now, delay=rng.choice([0.5, 5.0])))
+            elif op == "heartbeat":
+                refs = [
+                    HolderRef(*rng.choice(self.keys), r, rng.choice(sorted(self.tokens[r])))
+                    for r in rng.sample(self.runs, rng.randrange(0, 4))
+                ]
+                results.append(store.heartbeat(refs, now=now))
+            elif op == "release":
+                token = rng.choice([None, *sorted(self.tokens[run])])
+                generation = rng.choice([None, *sorted(self.generations[run])])
+                results.append(store.release(*key, run, token=token, generation=generation, now=now))
+            elif op == "operator_release":
+                results.append(store.operator_release(run, now=now))
+            else:
+                results.append(store.snapshot(now=now))
+        memory, redis_result = results
+        self.learn(run, memory)
+        return op, memory, redis_result
+
+    def learn(self, run: str, outcome: Any) -> None:
+        """Remember the generations and tokens handed out, so later steps use live and dead ones."""
+        if isinstance(outcome, ClaimOutcome):
+            if outcome.generation is not None:
+                self.generations[run].add(outcome.generation)
+            if outcome.token is not None:
+                self.tokens[run].add(outcome.token)
+        if isinstance(outcome, (ClaimOutcome, ReleaseOutcome)):
+            for wake in outcome.wakes:
+                self.generations[wake.run_id].add(wake.generation)
+
+
+def _coverage(op: str, outcome: Any) -> set[str]:
+    """Which interesting branches of the rules one answer shows."""
+    seen = set()
+    if isinstance(outcome, ClaimOutcome):
+        seen.add(outcome.decision.value)
+        seen |= {
+            name
+            for name, hit in [
+                ("takeover", outcome.takeover),
+                ("claim-evicted", outcome.evicted),
+                ("claim-wakes", outcome.wakes),
+                ("behind", (outcome.position or 0) > 1),
+            ]
+            if hit
+        }
+    elif isinstance(outcome, ReleaseOutcome):
+        seen |= {
+            name
+            for name, hit in [
+                ("released", outcome.released),
+                ("lost", outcome.lost),
+                ("release-wakes", outcome.wakes),
+                ("release-evicted", outcome.evicted),
+            ]
+            if hit
+        }
+    elif op == "register":
+        seen.add(outcome.status.value)
+    elif op == "heartbeat" and outcome:
+        seen.add("heartbeat-lost")
+    elif op == "suspend" and outcome:
+        seen.add("suspended")
+    return seen
+
+
+def test_same_answers_and_state_as_memory_store(namespace: str) -> None:
+    """Random operation sequences (same now values) on both stores: same answers, same records."""
+    seen: set[str] = set()
+    for seed in range(12):
+        diff = _Differential(seed, f"{namespace}-{seed}")
+        for i in range(300):
+            op, memory, redis_result = diff.step()
+            assert _norm(redis_result) == _norm(memory), f"seed {seed} step {i}: {op}"
+            assert _redis_state(diff.redis, diff.keys) == _memory_state(diff.memory), (
+                f"seed {seed} step {i}: {op}"
+            )
+            seen |= _coverage(op, memory)
+        _redis_state(diff.redis, diff.keys, strays=True)
+        diff.redis.close()
+    expected = {d.value for d in Decision} | {
+        "takeover",
+        "claim-evicted",
+        "claim-wakes",
+        "behind",
+        "released",
+        "lost",
+        "release-wakes",
+        "release-evicted",
+        "registered",
+        "exists",
+        "full",
+        "heartbeat-lost",
+        "suspended",
+    }
+    assert seen >= expected, f"the sequences missed {expected - seen}"
+
+
+def _on_both(namespace: str, steps: list[Any], timings: Timings | None = None) -> list[Any]:
+    """Run the same steps on a memory and a Redis store; their answers must be equal."""
+    memory = MemoryStore(f"memory://both-{uuid.uuid4().hex}", namespace=namespace, timings=timings)
+    redis_store = RedisStore(REDIS_URL, namespace=namespace, timings=timings)
+    answers = []
+    for i, step in enumerate(steps):
+        expected, got = step(memory), step(redis_store)
+        assert _norm(got) == _norm(expected), f"step {i}"
+        answers.append(expected)
+    redis_store.close()
+    return answers
+
+
+def test_boundaries_match_the_memory_store(namespace: str) -> None:
+    """Exact time boundaries the random sequences rarely hit (strict vs non-strict comparisons)."""
+    a, p, q = (RunSpec("s", "k", run, lease=10.0, orphan_timeout=5.0) for run in ("a", "p", "q"))
+    answers = _on_both(
+        namespace,
+        [
+            lambda st: st.claim(a, 0, None, now=0.0),
+            lambda st: st.claim(a, 0, None, now=10.0),  # lease ends exactly now: lapsed, a takeover
+            lambda st: st.heartbeat([HolderRef("s", "k", "a", 2)], now=11.0),
+            lambda st: st.register(p, now=12.0),
+            lambda st: st.claim(
+                q, 0, None, now=17.0
+            ),  # p registered exactly orphan_timeout ago: not passed over
+            lambda st: st.release("s", "k", "a", token=2, now=17.0),
+            lambda st: st.claim(q, 1, None, now=17.5),  # now p is passed over: q takes the slot
+            lambda st: st.claim(
+                RunSpec("s", "k", "a"), 0, None, now=17.5
+            ),  # settled generation 0: a new claim
+            lambda st: st.release("s", "k", "q", token=3, now=18.0),
+        ],
+        timings=Timings(settled_ttl=1.0),
+    )
+    assert [answer.decision for answer in answers[:2]] == [Decision.ADMITTED, Decision.ADMITTED]
+    assert answers[1].takeover
+    assert answers[4].decision is Decision.GATED and answers[4].position == 2
+    assert answers[6].decision is Decision.ADMITTED
+    assert answers[7].decision is Decision.GATED
+    answers = _on_both(
+        namespace + "b",
+        [
+            lambda st: st.claim(a, 0, None, now=0.0),
+            lambda st: st.release("s", "k", "a", token=1, now=1.0),
+            lambda st: st.claim(a, 1, None, now=1.5),  # marker live, other generation: stale
+            lambda st: st.claim(a, 1, None, now=2.0),  # the marker expires exactly now: first sight
+            lambda st: st.register(p, now=3.0, confirmed=False),
+            lambda st: st.register(q, now=13.0),  # p registered exactly the grace ago: still counted
+            lambda st: st.claim(q, 0, None, now=13.0),
+        ],
+        timings=Timings(settled_ttl=1.0, registration_grace=10.0),
+    )
+    assert [answer.decision for answer in (answers[2], answers[3])] == [Decision.STALE, Decision.ADMITTED]
+    assert answers[5].in_flight == 3
+
+
+def test_hash_tag_hides_the_key_and_key_text_round_trips(namespace: str) -> None:
+    store = RedisStore(REDIS_URL, namespace=namespace)
+    for key in WEIRD_KEYS:
+        spec = RunSpec("scope {x}", key, f"r-{key}")
+        assert store.claim(spec, 0, b"\x00\x01", now=1.0).decision is Decision.ADMITTED
+    snaps = store.snapshot(now=2.0)
+    assert sorted(s.key for s in snaps) == sorted(WEIRD_KEYS)
+    assert [s.key for s in store.snapshot(now=2.0, scope="scope {x}", key="nul\0byte")] == ["nul\0byte"]
+    for redis_key in store._client.scan_iter(match=f"{namespace}:*"):
+        if redis_key == f"{namespace}:schema".encode():
+            continue
+        tag = redis_key.split(b"{", 1)[1].split(b"}", 1)[0]
+        assert len(tag) == 40 and all(c in b"0123456789abcdef" for c in tag), redis_key
+    store.close()
+
+
+def test_an_empty_key_keeps_only_its_token_counter(namespace: str) -> None:
+    store = RedisStore(REDIS_URL, namespace=namespace, timings=Timings(settled_ttl=5.0))
+    specs = [RunSpec("s", "k", f"r{i}", limit=1) for i in range(3)]
+    for spec in specs:
+        store.register(spec, now=1.0, confirmed=False)
+    first = store.claim(specs[0], 0, b"p", now=2.0)
+    assert first.decision is Decision.ADMITTED
+    gated = store.claim(specs[1], 0, b"p", now=2.0)
+    assert gated.decision is Decision.GATED
+    assert store.unregister("s", "k", "r2", now=2.0)
+    release = store.release("s", "k", "r0", token=first.token, now=3.0)
+    assert [w.run_id for w in release.wakes] == ["r1"]
+    woken = store.claim(specs[1], release.wakes[0].generation, None, now=3.0)
+    assert woken.decision is Decision.ADMITTED
+    assert store.release("s", "k", "r1", token=woken.token, now=4.0).released
+    names = sorted(k.split(b"}:", 1)[1] for k in store._client.scan_iter(match=f"{namespace}:{{*"))
+    assert names == [b"meta", b"settled:r0", b"settled:r1"]
+    prefix = store._prefix("s", "k")
+    assert store._client.hgetall(prefix + b"meta")[b"seq"] == b"0"
+    assert store._client.hgetall(prefix + b"meta")[b"token"] == b"2"
+    assert 0 < store._client.pttl(prefix + b"settled:r0") <= 5000
+    store.close()
+
+
+def test_every_operation_is_one_evalsha(namespace: str) -> None:
+    store = RedisStore(REDIS_URL, namespace=namespace)
+    client = store._client
+    spec = RunSpec("s", "k", "r1")
+    for script in store._scripts.values():  # a first call may have to SCRIPT LOAD
+        client.script_load(script.script)
+    commands: list[str] = []
+    original = client.execute_command
+
+    def counting(*args: Any, **options: Any) -> Any:
+        commands.append(str(args[0]))
+        return original(*args, **options)
+
+    client.execute_command = counting  # type: ignore[method-assign]
+    ops = [
+        lambda: store.register(spec, now=1.0, confirmed=False),
+        lambda: store.confirm("s", "k", "r1", now=1.0),
+        lambda: store.claim(spec, 0, b"x", now=2.0),
+        lambda: store.heartbeat([HolderRef("s", "k", "r1", 1), HolderRef("s", "k2", "r9", 4)], now=3.0),
+        lambda: store.suspend("s", "k", "r1", 1, now=3.0, delay=1.0),
+        lambda: store.release("s", "k", "r1", token=1, now=4.0),
+        lambda: store.register(RunSpec("s", "k", "r2"), now=5.0),
+        lambda: store.unregister("s", "k", "r2", now=5.0),
+        lambda: store.snapshot(now=5.0, scope="s", key="k"),
+    ]
+    for op in ops:
+        commands.clear()
+        op()
+        assert commands == ["EVALSHA"]
+    store.close()
+
+
+def test_store_errors_are_unavailable_and_redacted() -> None:
+    store = RedisStore("redis://user:hunter2@127.0.0.1:1/0", socket_connect_timeout=0.5)
+    assert "hunter2" not in repr(store)
+    with pytest.raises(StoreUnavailableError) as info:
+        store.register(RunSpec("s", "k", "r"), now=1.0)
+    assert "hunter2" not in str(info.value) and "***" in str(info.value)
+    assert isinstance(info.value.__cause__, redis_mod.exceptions.ConnectionError)
+    for call in (
+        lambda: store.snapshot(now=1.0),
+        store.schema_version,
+        lambda: store.heartbeat([HolderRef("s", "k", "r", 1)], now=1.0),
+    ):
+        with pytest.raises(StoreUnavailableError):
+            call()
+
+
+def test_decode_responses_is_refused() -> None:
+    with pytest.raises(SingletonConfigError):
+        RedisStore(REDIS_URL, decode_responses=True)
+
+
+def test_schema_version_and_migrate(namespace: str) -> None:
+    store = RedisStore(REDIS_URL, namespace=namespace)
+    assert store.schema_version() is None
+    store.migrate()
+    store.check_schema()
+    assert RedisStore(REDIS_URL, namespace=namespace + "x").schema_version() is None
+    store.close()
+
+
+def test_states_survive_the_round_trip(namespace: str) -> None:
+    store = RedisStore(REDIS_URL, namespace=namespace)
+    now = 1234567890.1234567
+    spec = RunSpec("s", "k", "r", lease=0.1)
+    store.register(spec, now=now)
+    outcome = store.claim(spec, 0, None, now=now)
+    holder = store.snapshot(now=now)[0].holders[0]
+    assert outcome.token == holder.token == 1
+    assert holder.admitted_at == now and holder.lease_expires_at == now + 0.1
+    waiter = RunSpec("s", "k", "w")
+    store.register(waiter, now=now + 0.3, confirmed=False)
+    assert store.snapshot(now=now)[0].waiters[0].state is RunState.PENDING
+    store.close()

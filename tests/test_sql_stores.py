@@ -1,0 +1,335 @@
+"""The SQL stores against the memory store, and what only the SQL stores have."""
+
+from __future__ import annotations
+
+import random
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import POSTGRES_URL, require_server
+
+from singleton_tasks import Store, store_from_url
+from singleton_tasks.errors import SingletonConfigError, StoreUnavailableError
+from singleton_tasks.outcomes import Decision, HolderRef, RunSpec
+from singleton_tasks.stores.sqlite import sqlite_path
+
+SQL_BACKENDS = ["sqlite", "postgres"]
+
+
+@pytest.fixture(params=SQL_BACKENDS)
+def sql_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'sql.db'}"
+    require_server(POSTGRES_URL, "PostgreSQL")
+    return POSTGRES_URL
+
+
+@pytest.fixture
+def make_store(sql_url: str) -> Iterator[Callable[..., Store]]:
+    made: list[Store] = []
+    namespace = f"t{uuid.uuid4().hex[:12]}"
+
+    def make(**options: Any) -> Store:
+        store = store_from_url(sql_url, namespace=namespace, **options)
+        store.migrate()
+        made.append(store)
+        return store
+
+    yield make
+    for store in made:
+        store.close()
+
+
+# -- the same random operations on the memory store and a SQL store give the same answers ----------
+
+KEYS = ["k1", "k{2}", "k'3\n%s -- ;"]
+RUNS = [f"r{i}" for i in range(7)]
+
+
+def _session(seed: int, stores: list[Store]) -> None:
+    rng = random.Random(seed)
+    generations: dict[str, set[int]] = {r: {0} for r in RUNS}
+    tokens: dict[str, int] = {}
+    now = 1000.0
+    for step in range(150):
+        now += rng.choice([0.0, 0.5, 3.0, 20.0, 90.0, 700.0, 4000.0])
+        key, run = rng.choice(KEYS), rng.choice(RUNS)
+        spec = RunSpec(
+            "scope",
+            key,
+            run,
+            limit=2 if key == "k{2}" else 1,
+            max_queue_depth=rng.choice([None, 1, 3]),
+            lease=rng.choice([5.0, 60.0]),
+            orphan_timeout=rng.choice([None, 100.0, 600.0]),
+        )
+        op = rng.choice(
+            [
+                "register",
+                "claim",
+                "claim",
+                "release",
+                "suspend",
+                "heartbeat",
+                "confirm",
+                "unregister",
+                "operator_release",
+            ]
+        )
+        confirmed = rng.random() < 0.7
+        generation = rng.choice([*sorted(generations[run]), 99])
+        token = rng.choice([None, tokens.get(run, 1), 12345])
+        refs = [HolderRef("scope", k, r, t) for r, t in sorted(tokens.items()) for k in KEYS]
+        calls: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
+            "register": ((spec,), {"now": now, "confirmed": confirmed}),
+            "claim": ((spec, generation, f"payload-{run}".encode()), {"now": now}),
+            "release": (("scope", key, run), {"token": token, "now": now}),
+            "suspend": (("scope", key, run, tokens.get(run, 1)), {"now": now, "delay": 10.0}),
+            "heartbeat": ((refs,), {"now": now}),
+            "confirm": (("scope", key, run), {"now": now}),
+            "unregister": (("scope", key, run), {"now": now}),
+            "operator_release": ((run,), {"now": now}),
+        }
+        args, kwargs = calls[op]
+        answers = [(getattr(store, op)(*args, **kwargs), store.snapshot(now=now)) for store in stores]
+        for other in answers[1:]:
+            assert other == answers[0], f"seed {seed} step {step}: {op} {spec}"
+        answer = answers[0][0]
+        if op == "claim":
+            if answer.decision is Decision.ADMITTED:
+                tokens[run], generations[run] = answer.token, {generation}
+            if answer.generation is not None:
+                generations[run].add(answer.generation)
+        for wake in getattr(answer, "wakes", ()):
+            generations[wake.run_id].add(wake.generation)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_same_answers_as_memory_store(make_store: Callable[..., Store], seed: int) -> None:
+    memory = store_from_url(f"memory://diff-{uuid.uuid4().hex}", namespace="n")
+    _session(seed, [memory, make_store()])
+
+
+# -- keys are data ---------------------------------------------------------------------------------
+
+NASTY = [
+    "{braces}",
+    "'quote\"",
+    "new\nline",
+    "100%",
+    "%s %(x)s",
+    "-- comment",
+    "a;DROP TABLE x;--",
+    "🎉 emoji",
+    ":name",
+    "?",
+    "x" * 512,
+    "\\back\\slash",
+    " lead and trail ",
+]
+
+
+@pytest.mark.parametrize("key", NASTY)
+def test_keys_round_trip(make_store: Callable[..., Store], key: str) -> None:
+    store = make_store()
+    spec = RunSpec(key, key, key)
+    assert store.claim(spec, 0, key.encode(), now=1.0).decision is Decision.ADMITTED
+    [snap] = store.snapshot(now=1.0, scope=key, key=key)
+    assert (snap.scope, snap.key, snap.holders[0].run_id) == (key, key, key)
+    assert store.release(key, key, key, token=1, now=2.0).released
+
+
+def test_namespaces_are_isolated(sql_url: str) -> None:
+    a = store_from_url(sql_url, namespace=f"a{uuid.uuid4().hex[:8]}")
+    b = store_from_url(sql_url, namespace=f"b{uuid.uuid4().hex[:8]}")
+    try:
+        a.migrate()
+        spec = RunSpec("s", "k", "r")
+        assert a.claim(spec, 0, None, now=1.0).decision is Decision.ADMITTED
+        assert b.claim(RunSpec("s", "k", "other"), 0, None, now=1.0).decision is Decision.ADMITTED
+        assert [s.key for s in b.snapshot(now=1.0)] == ["k"]
+        assert b.snapshot(now=1.0)[0].holders[0].run_id == "other"
+    finally:
+        a.close()
+        b.close()
+
+
+def test_empty_key_keeps_only_its_token(make_store: Callable[..., Store]) -> None:
+    store = make_store()
+    spec = RunSpec("s", "k", "r1")
+    store.claim(spec, 0, None, now=1.0)
+    store.release("s", "k", "r1", token=1, now=2.0)
+    assert store.snapshot(now=3.0) == []
+    assert store.claim(RunSpec("s", "k", "r2"), 0, None, now=4.0).token == 2  # the token survived
+
+
+# -- concurrency: many threads and stores, one holder at a time ---------------------------------------
+
+
+def test_threads_never_overlap(make_store: Callable[..., Store]) -> None:
+    stores = [make_store(), make_store()]
+    inside: list[str] = []
+    overlaps: list[tuple[str, ...]] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def worker(index: int) -> None:
+        store = stores[index % 2]
+        run = f"run-{index}"
+        spec = RunSpec("s", "shared", run)
+        try:
+            store.register(spec, now=1.0)
+            generation = 0
+            while True:
+                outcome = store.claim(spec, generation, None, now=1.0)
+                if outcome.decision is Decision.ADMITTED:
+                    break
+                assert outcome.decision is Decision.GATED
+                generation = outcome.generation or 0
+            with lock:
+                inside.append(run)
+                if len(inside) > 1:
+                    overlaps.append(tuple(inside))
+            with lock:
+                inside.remove(run)
+            assert store.release("s", "shared", run, token=outcome.token, now=1.0).released
+        except BaseException as error:  # surfaced below
+            errors.append(error)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors
+    assert not overlaps
+    assert stores[0].snapshot(now=1.0) == []
+    assert stores[0].claim(RunSpec("s", "shared", "last"), 0, None, now=2.0).token == 9
+
+
+# -- errors and URLs -----------------------------------------------------------------------------------
+
+
+def test_sqlite_paths() -> None:
+    assert sqlite_path("sqlite:///relative.db") == "relative.db"
+    assert sqlite_path("sqlite:////abs/path.db") == "/abs/path.db"
+    assert sqlite_path("sqlite:///:memory:") == ":memory:"
+    for bad in ("sqlite://", "sqlite:///", "sqlite://host/x.db", "sqlite:///x.db?mode=ro"):
+        with pytest.raises(SingletonConfigError):
+            sqlite_path(bad)
+
+
+def test_sqlite_unopenable_file_is_unavailable(tmp_path: Path) -> None:
+    store = store_from_url(f"sqlite:///{tmp_path / 'missing-dir' / 'x.db'}")
+    with pytest.raises(StoreUnavailableError) as info:
+        store.claim(RunSpec("s", "k", "r"), 0, None, now=1.0)
+    assert info.value.__cause__ is not None
+
+
+def test_sqlite_missing_schema_is_unavailable(tmp_path: Path) -> None:
+    store = store_from_url(f"sqlite:///{tmp_path / 'x.db'}")
+    assert store.schema_version() is None
+    with pytest.raises(StoreUnavailableError):
+        store.register(RunSpec("s", "k", "r"), now=1.0)
+    store.close()
+
+
+def test_sqlite_memory_works_within_a_process() -> None:
+    store = store_from_url("sqlite:///:memory:")
+    store.migrate()
+    assert store.claim(RunSpec("s", "k", "r"), 0, None, now=1.0).decision is Decision.ADMITTED
+    store.close()
+
+
+def test_postgres_unreachable_is_unavailable_and_redacted() -> None:
+    store = store_from_url("postgresql://user:s3cret@127.0.0.1:1/test", timeout=0.5)
+    assert "s3cret" not in repr(store)
+    with pytest.raises(StoreUnavailableError) as info:
+        store.register(RunSpec("s", "k", "r"), now=1.0)
+    assert "s3cret" not in str(info.value)
+    assert info.value.__cause__ is not None
+    store.close()
+
+
+def test_postgres_bad_options() -> None:
+    with pytest.raises(SingletonConfigError):
+        store_from_url("postgresql://127.0.0.1/test", min_size=5, max_size=2)
+    with pytest.raises(SingletonConfigError):
+        store_from_url("postgresql://127.0.0.1/test", timeout=0)
+
+
+# -- PostgreSQL: one row lock per key ----------------------------------------------------------------
+
+
+def test_postgres_keys_do_not_wait_on_each_other() -> None:
+    require_server(POSTGRES_URL, "PostgreSQL")
+    import psycopg
+
+    namespace = f"t{uuid.uuid4().hex[:12]}"
+    store = store_from_url(POSTGRES_URL, namespace=namespace, timeout=1.0)
+    try:
+        store.migrate()
+        store.register(RunSpec("s", "locked", "r0"), now=1.0)
+        with psycopg.connect(POSTGRES_URL) as blocker:
+            # Another session holds key "locked" mid-operation.
+            row = blocker.execute(
+                "SELECT token FROM singleton_keys WHERE namespace = %s AND scope = 's' AND key = 'locked' "
+                "FOR UPDATE",
+                [namespace],
+            ).fetchone()
+            assert row is not None
+            assert store.claim(RunSpec("s", "free", "r1"), 0, None, now=2.0).decision is Decision.ADMITTED
+            with pytest.raises(StoreUnavailableError, match="lock"):
+                store.claim(RunSpec("s", "locked", "r0"), 0, None, now=2.0)  # lock_timeout = timeout
+        assert store.claim(RunSpec("s", "locked", "r0"), 0, None, now=3.0).decision is Decision.ADMITTED
+    finally:
+        store.close()
+
+
+# -- many processes on one key --------------------------------------------------------------------------
+
+
+def _process_worker(url: str, namespace: str, marker: str, index: int, runs: int) -> list[int]:
+    import os
+
+    store = store_from_url(url, namespace=namespace)
+    tokens = []
+    try:
+        for n in range(runs):
+            spec = RunSpec("s", "one-at-a-time", f"p{index}-{n}")
+            store.register(spec, now=1.0)
+            generation = 0
+            while True:
+                outcome = store.claim(spec, generation, None, now=1.0)
+                if outcome.decision is Decision.ADMITTED:
+                    break
+                generation = outcome.generation or 0
+            fd = os.open(marker, os.O_CREAT | os.O_EXCL)  # fails if another process is inside
+            os.close(fd)
+            os.unlink(marker)
+            assert outcome.token is not None
+            tokens.append(outcome.token)
+            assert store.release("s", "one-at-a-time", spec.run_id, token=outcome.token, now=1.0).released
+    finally:
+        store.close()
+    return tokens
+
+
+def test_processes_never_overlap(sql_url: str, tmp_path: Path) -> None:
+    import multiprocessing
+
+    namespace = f"t{uuid.uuid4().hex[:12]}"
+    setup = store_from_url(sql_url, namespace=namespace)
+    setup.migrate()
+    marker = str(tmp_path / "inside")
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(4) as pool:
+        results = pool.starmap(_process_worker, [(sql_url, namespace, marker, i, 5) for i in range(4)])
+    tokens = sorted(t for result in results for t in result)
+    assert tokens == list(range(1, 21))  # every admission got its own, increasing token
+    assert setup.snapshot(now=2.0) == []
+    setup.close()
