@@ -633,6 +633,16 @@ def migrate(store_url: str | None, namespace: str, check: bool) -> None:
         click.echo(f"{store.url}: schema migrated from version {found} to {store.schema_version()}")
 
 
+@cli.command()
+def demo() -> None:
+    """The sync-inventory story on the embedded SQLite store: no server needed (~3 s)."""
+    from rich.console import Console
+
+    from .demo import run_demo
+
+    run_demo(Console())
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Console-script entry point."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

@@ -14,7 +14,7 @@ import random
 import tempfile
 import threading
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,7 +138,7 @@ class Gatekeeper:
         """~retry_delay ± jitter at the head of the line; rarer re-checks further back (SPEC §3)."""
         base = self.options.retry_delay
         if position is not None and position > limit:
-            base = min(self.options.max_retry_delay, base * (position - limit + 1))
+            base = max(base, min(self.options.max_retry_delay, base * (position - limit + 1)))
         jitter = self.options.retry_jitter
         return max(0.0, base + random.uniform(-jitter, jitter))
 
@@ -243,9 +243,18 @@ class Gatekeeper:
                     self._heartbeater = _Heartbeater(self)
         return self._heartbeater
 
+    def retry_later(self, action: Callable[[], object], what: str) -> None:
+        """Run a settlement that failed on a store error again from the heartbeat thread until it succeeds.
+
+        A release lost to a store blip would otherwise hold the key until the lease and the
+        orphan timeout lapse.
+        """
+        self.heartbeats.retry_later(action, what)
+
     def close(self) -> None:
         if self._heartbeater is not None:
             self._heartbeater.stop()
+            self._heartbeater = None  # a later track() starts a fresh thread
         if self._store is not None and not isinstance(self._store_arg, Store):
             self._store.close()
             self._store = None
@@ -259,16 +268,41 @@ class _Heartbeater:
         options = gatekeeper.options
         self.interval = options.heartbeat_interval or max(0.05, options.lease / 3)
         self._running: dict[str, HolderRef] = {}
+        self._retries: list[tuple[Callable[[], object], str]] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    def _start(self) -> None:
+        # Called with the lock held.
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="singleton-heartbeat", daemon=True)
+            self._thread.start()
+
     def track(self, ref: HolderRef) -> None:
         with self._lock:
             self._running[ref.run_id] = ref
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="singleton-heartbeat", daemon=True)
-                self._thread.start()
+            self._start()
+
+    def retry_later(self, action: Callable[[], object], what: str) -> None:
+        with self._lock:
+            self._retries.append((action, what))
+            self._start()
+
+    def run_retries(self) -> None:
+        """Try the pending settlements once; those that fail again stay queued."""
+        with self._lock:
+            pending, self._retries = self._retries, []
+        failed = []
+        for action, what in pending:
+            try:
+                action()
+                logger.info("%s: done on retry", what)
+            except Exception as error:
+                logger.warning("%s: failed again (%s); retrying in %.1fs", what, error, self.interval)
+                failed.append((action, what))
+        with self._lock:
+            self._retries[:0] = failed
 
     def untrack(self, run_id: str) -> None:
         with self._lock:
@@ -295,6 +329,11 @@ class _Heartbeater:
                 self.beat()
             except Exception:  # a store outage must not kill the heartbeat thread
                 logger.exception("heartbeat failed; retrying in %.1fs", self.interval)
+            self.run_retries()
 
     def stop(self) -> None:
         self._stop.set()
+        with self._lock:
+            dropped = [what for _action, what in self._retries]
+        for what in dropped:
+            logger.error("%s: given up at shutdown; freed when its lease and orphan timeout lapse", what)

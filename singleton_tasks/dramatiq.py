@@ -1,0 +1,534 @@
+"""Dramatiq: ``SingletonMiddleware`` gates singleton actors (SPEC §2–§7).
+
+The rules live in the store and the shared worker logic in :class:`~singleton_tasks.runtime.Gatekeeper`;
+this module only maps Dramatiq's hooks onto them:
+
+- ``before_enqueue`` registers a new run (the backlog cap raises here), ``after_enqueue`` confirms it;
+  every message the library has seen carries ``options["singleton_gen"]`` (its copy's generation), so
+  re-publishes of a known run (retries, delay-queue moves, deferrals, wakes) pass through untouched.
+- ``before_process_message`` claims a slot; a denied delivery is deferred as a delayed copy and skipped
+  (acked, not failed, retries untouched, Results kept away).
+- ``before_ack`` / ``before_nack`` settle: a retry of the delivery seen on this thread (Retries' enqueue
+  of the same message id) keeps the slot, anything else releases it and wakes the next waiters.
+
+Errors raised to the caller of ``.send()`` subclass :class:`dramatiq.middleware.MiddlewareError`:
+``Broker.emit_before`` swallows every other exception (and the message would be published anyway).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import dramatiq
+from dramatiq.middleware import MiddlewareError, SkipMessage
+from dramatiq.worker import ConsumerThread
+
+from . import admission
+from . import errors as core
+from .config import BoundSingleton, SingletonConfig
+from .decorator import TaskDescription, register_describer
+from .outcomes import Decision, Registered, RunSpec, Wake
+from .runtime import Gatekeeper
+from .stores import Store, redact_url
+
+if TYPE_CHECKING:
+    import contextvars
+
+    from dramatiq.broker import Broker, MessageProxy
+    from dramatiq.message import Message
+    from dramatiq.worker import Worker
+
+logger = logging.getLogger("singleton_tasks")
+
+OPTION = "singleton"
+#: The generation of a copy; present on every message the library has seen (absent = 0).
+GENERATION = "singleton_gen"
+#: Generation put on a duplicate start of a registered run id: never live, so the copy is dropped.
+_DEAD_GENERATION = -1
+
+
+class QueueFull(core.SingletonQueueFullError, MiddlewareError):
+    """The key's backlog is full: raised by ``.send()``, nothing published (SPEC §5)."""
+
+
+class SingletonKeyError(core.SingletonKeyError, MiddlewareError):
+    """The run's key could not be derived: raised by ``.send()``, nothing published."""
+
+
+class KeyFailed(SingletonKeyError, SkipMessage):
+    """A delivery whose key cannot be derived: failed to the dead-letter queue, not retried."""
+
+
+class StoreUnavailable(core.StoreUnavailableError, MiddlewareError):
+    """The store failed at enqueue: raised by ``.send()``, nothing published."""
+
+
+class ConfigError(core.SingletonConfigError, MiddlewareError):
+    """A malformed ``singleton`` actor option, raised when the actor is declared."""
+
+
+class SchemaError(core.SchemaVersionError, MiddlewareError):
+    """The store's schema is missing or incompatible: the worker refuses to start."""
+
+
+class DeferralFailed(MiddlewareError):
+    """The deferred copy could not be published: the delivery fails instead of being lost."""
+
+
+@dataclass
+class _Delivery:
+    """What this worker thread knows of the message it is processing."""
+
+    message: MessageProxy
+    bound: BoundSingleton | None
+    seen: bool  # our before_process_message ran for it
+    spec: RunSpec | None = None
+    generation: int = 0
+    token: int | None = None  # admitted: the fencing token
+    retry_delay: float | None = None  # Retries re-enqueued it (seconds)
+    body_done: bool = False
+    settled: bool = False
+    quiet: bool = False  # skipped by our gate: the worker's "was skipped" warning is noise
+    context: contextvars.Token[admission.Admission | None] | None = None
+
+
+class SingletonMiddleware(dramatiq.Middleware):
+    """Makes actors with a ``singleton`` option durable FIFO mutexes per key.
+
+    Parameters:
+      store: a store URL or object; default ``SINGLETON_TASKS_STORE``, then the embedded SQLite file.
+      namespace: isolates applications sharing one store server.
+      retry_delay, retry_jitter: seconds until a denied delivery is re-checked (the fallback of the
+        wake on release), ± jitter.
+      lease, orphan_timeout, heartbeat_interval, max_retry_delay: see SPEC §2, §6 (seconds).
+
+    Add it to the broker before actor modules are imported: Dramatiq validates actor options when
+    an actor is declared.
+    """
+
+    def __init__(
+        self,
+        store: Store | str | None = None,
+        *,
+        namespace: str = "default",
+        retry_delay: float = 1.0,
+        retry_jitter: float = 0.25,
+        lease: float = 60.0,
+        orphan_timeout: float | None = 600.0,
+        heartbeat_interval: float | None = None,
+        max_retry_delay: float = 10.0,
+    ) -> None:
+        self.gatekeeper = Gatekeeper(
+            store,
+            namespace=namespace,
+            retry_delay=retry_delay,
+            retry_jitter=retry_jitter,
+            lease=lease,
+            orphan_timeout=orphan_timeout,
+            heartbeat_interval=heartbeat_interval,
+            max_retry_delay=max_retry_delay,
+        )
+        self._local = threading.local()
+        self._quiet = _QuietDeferrals(self)
+
+    def __repr__(self) -> str:
+        store = self.gatekeeper._store_arg
+        shown = repr(store) if isinstance(store, Store) else repr(redact_url(store) if store else None)
+        return f"SingletonMiddleware(store={shown})"
+
+    @property
+    def store(self) -> Store:
+        """This process's store."""
+        return self.gatekeeper.store
+
+    @property
+    def actor_options(self) -> set[str]:
+        return {OPTION}
+
+    # -- declaration -----------------------------------------------------------------------
+    def before_declare_actor(self, broker: Broker, actor: dramatiq.Actor[Any, Any]) -> None:
+        """Validate the ``singleton`` option now, not at the first run (SPEC §2)."""
+        if actor.options.get(OPTION) is not None:
+            try:
+                _bind(actor)
+            except core.SingletonConfigError as error:
+                raise ConfigError(str(error)) from error
+
+    # -- worker lifecycle ------------------------------------------------------------------
+    def before_worker_boot(self, broker: Broker, worker: Worker) -> None:
+        """Refuse to start against a missing or incompatible store schema (SPEC §8)."""
+        logging.getLogger(_WORKER_LOGGER).addFilter(self._quiet)
+        try:
+            self.gatekeeper.check()
+        except core.SchemaVersionError as error:
+            raise SchemaError(str(error)) from error
+        except core.StoreUnavailableError as error:
+            logger.warning("singleton store unavailable at worker start (%s); gating fails closed", error)
+
+    def after_worker_shutdown(self, broker: Broker, worker: Worker) -> None:
+        """Stop the heartbeat thread and close this process's store clients."""
+        logging.getLogger(_WORKER_LOGGER).removeFilter(self._quiet)
+        self.gatekeeper.close()
+
+    # -- enqueue ---------------------------------------------------------------------------
+    def before_enqueue(self, broker: Broker, message: Message[Any], delay: int) -> None:
+        """Register a new singleton run atomically with the backlog cap (SPEC §3.1, §5, §7)."""
+        if GENERATION in message.options:
+            return  # seen before: a retry, a delay-queue move, a deferral, a wake
+        bound = _bound_for(broker, message.actor_name)
+        if bound is None:
+            return
+        lenient = self._is_continuation(message)
+        try:
+            spec = self.gatekeeper.spec(bound, message.message_id, message.args, message.kwargs)
+        except core.SingletonKeyError as error:
+            if lenient:  # never raise into emit_after: the gate fails it to the dead letters
+                return
+            raise SingletonKeyError(str(error)) from error
+        if lenient:
+            # The framework continues work it accepted (a pipeline step, a group callback, a
+            # delay-queue move): it must not be lost to the cap, which held when it was started.
+            spec = replace(spec, max_queue_depth=None)
+        try:
+            outcome = self.gatekeeper.register(bound, spec, confirmed=False, full_error=QueueFull)
+        except core.StoreUnavailableError as error:
+            if lenient:
+                logger.warning("%s run %s: %s; registered at delivery", bound.task_name, spec.run_id, error)
+                return
+            raise StoreUnavailable(str(error)) from error
+        if outcome.status is Registered.EXISTS:
+            # A start of a run id that is already in line (SPEC §7): this copy is dropped at the gate.
+            logger.info("%s run %s already registered: duplicate start dropped", bound.task_name, spec.run_id)
+            message.options[GENERATION] = _DEAD_GENERATION
+            return
+        message.options[GENERATION] = 0
+        self._local.pending = (message.message_id, spec)
+
+    def after_enqueue(self, broker: Broker, message: Message[Any], delay: int) -> None:
+        """Confirm a registration once published; note a retry of the delivery on this thread."""
+        pending: tuple[str, RunSpec] | None = getattr(self._local, "pending", None)
+        if pending is not None and pending[0] == message.message_id:
+            self._local.pending = None
+            try:
+                self.gatekeeper.confirm(pending[1])
+            except core.StoreUnavailableError as error:
+                logger.warning("run %s published, not confirmed (%s)", pending[0], error)
+        delivery = self._delivery()
+        if (
+            delivery is not None
+            and delivery.token is not None
+            and not delivery.settled
+            and delivery.message.message_id == message.message_id
+        ):
+            delivery.retry_delay = (delay or 0) / 1000
+
+    def _is_continuation(self, message: Message[Any]) -> bool:
+        """Whether this enqueue continues accepted work rather than starting new work."""
+        if isinstance(threading.current_thread(), ConsumerThread):
+            return True  # consumer threads only move due messages from the delay queue
+        delivery = self._delivery()
+        if delivery is None:
+            return False
+        if delivery.body_done:
+            return True  # after the body: pipelines, group and success/failure callbacks
+        options = delivery.message.options
+        target = options.get("pipe_target")
+        if isinstance(target, dict) and target.get("message_id") == message.message_id:
+            return True
+        callbacks = options.get("group_completion_callbacks") or ()
+        return any(isinstance(c, dict) and c.get("message_id") == message.message_id for c in callbacks)
+
+    # -- gate ------------------------------------------------------------------------------
+    def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
+        """Claim a slot; a denied delivery is deferred and skipped, never run (SPEC §3.2–§3.3)."""
+        bound = _bound_for(broker, message.actor_name)
+        delivery = _Delivery(message, bound, seen=True)
+        self._local.delivery = delivery
+        if bound is None:
+            return
+        generation = _generation(message)
+        delivery.generation = generation
+        # Re-publishes of this delivery (Retries) carry the tag, so they pass before_enqueue.
+        message.options.setdefault(GENERATION, generation)
+        try:
+            spec = self.gatekeeper.spec(bound, message.message_id, message.args, message.kwargs)
+        except core.SingletonKeyError as error:
+            logger.error("%s run %s: %s; failing the message", bound.task_name, message.message_id, error)
+            message.fail()
+            raise KeyFailed(str(error)) from error
+        delivery.spec = spec
+        payload = message.copy().encode()
+        try:
+            outcome = self.gatekeeper.claim(bound.task_name, spec, generation, payload)
+        except Exception as error:  # fail closed: a body never runs without its slot
+            log = logger.warning if isinstance(error, core.StoreUnavailableError) else logger.exception
+            log("%s run %s: gate failed (%s); deferring", bound.task_name, spec.run_id, error)
+            self._defer(broker, message, generation, self.gatekeeper.deferral_delay(None, spec.limit))
+            delivery.quiet = True
+            raise SkipMessage("singleton gate unavailable: deferred") from None
+        if outcome.decision is Decision.ADMITTED:
+            delivery.token = outcome.token
+            delivery.context = admission.enter(
+                admission.Admission(spec.run_id, spec.scope, spec.key, outcome.token or 0)
+            )
+            self._wake(broker, outcome.wakes)
+            return
+        if outcome.decision is Decision.STALE:
+            self._wake(broker, outcome.wakes)
+            _keep_results_away(message)
+            delivery.quiet = True
+            raise SkipMessage("stale singleton copy dropped")
+        assert outcome.generation is not None
+        delay = self.gatekeeper.deferral_delay(outcome.position, spec.limit)
+        self._defer(broker, message, outcome.generation, delay)
+        self._wake(broker, outcome.wakes)
+        delivery.quiet = True
+        raise SkipMessage(f"singleton key {spec.key!r} busy: deferred")
+
+    def _defer(self, broker: Broker, message: MessageProxy, generation: int, delay: float) -> None:
+        """Publish the delayed copy that re-checks this run, then keep Results off this delivery."""
+        copy = message.copy(options={GENERATION: generation})
+        try:
+            broker.enqueue(copy, delay=max(0, round(delay * 1000)))
+        except Exception as error:
+            # Acking now would lose the run: fail the delivery instead (Retries re-publishes it).
+            logger.error("run %s: publishing its deferred copy failed: %s", message.message_id, error)
+            raise DeferralFailed(f"could not defer run {message.message_id}: {error}") from error
+        _keep_results_away(message)
+
+    def _wake(self, broker: Broker, wakes: Sequence[Wake]) -> None:
+        """Publish woken waiters at once: the handoff does not wait for their timers (SPEC §3.6)."""
+        for wake in wakes:
+            if wake.payload is None:
+                continue  # never delivered yet: its own message is on its way
+            try:
+                woken = dramatiq.Message.decode(wake.payload).copy(options={GENERATION: wake.generation})
+                broker.enqueue(woken)
+            except Exception:  # its delayed copy re-checks it anyway
+                logger.exception("waking run %s of key %r failed; its timer re-checks", wake.run_id, wake.key)
+
+    # -- body end and settlement -----------------------------------------------------------
+    def after_process_message(
+        self,
+        broker: Broker,
+        message: MessageProxy,
+        *,
+        result: Any | None = None,
+        exception: BaseException | None = None,
+    ) -> None:
+        """Mark the body done; settlement waits for the ack, when Retries has decided."""
+        self._body_done(broker, message)
+
+    def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
+        """Mark the body done (skipped by us or by another middleware such as AgeLimit)."""
+        self._body_done(broker, message)
+
+    def _body_done(self, broker: Broker, message: MessageProxy) -> None:
+        delivery = self._delivery()
+        if delivery is None or delivery.message is not message:
+            # Our gate never saw it: an earlier middleware skipped or failed it.
+            delivery = _Delivery(message, _bound_for(broker, message.actor_name), seen=False)
+            self._local.delivery = delivery
+        delivery.body_done = True
+        _leave(delivery)
+
+    def before_ack(self, broker: Broker, message: MessageProxy) -> None:
+        """Settle before the ack, so the wake is published before the broker sees the queue drained."""
+        self._settle(broker, message)
+
+    def before_nack(self, broker: Broker, message: MessageProxy) -> None:
+        """Settle a failed run: terminal (retries exhausted, ``throws``, AgeLimit, a bad key)."""
+        self._settle(broker, message)
+
+    def _settle(self, broker: Broker, message: MessageProxy) -> None:
+        delivery = self._delivery()
+        if delivery is None or delivery.message is not message:
+            return  # a delay-queue message moved by a consumer thread: nothing to settle
+        self._local.delivery = None
+        if delivery.settled or delivery.bound is None:
+            return
+        delivery.settled = True  # idempotent: interrupts can run hooks twice
+        _leave(delivery)
+        bound = delivery.bound
+        if delivery.seen and delivery.token is None:
+            return  # deferred, dropped or failed at the gate: the store knows already
+        retried = delivery.retry_delay is not None
+        if not delivery.seen:
+            if not retried:
+                self._settle_unseen(broker, bound, message)
+            return
+        spec = delivery.spec
+        token = delivery.token
+        assert spec is not None and token is not None
+        if retried:
+            delay = delivery.retry_delay or 0.0
+
+            def suspend() -> None:
+                self.gatekeeper.suspend(spec, token, delay)
+
+            self._or_later(suspend, f"keeping the slot of run {spec.run_id} for its retry")
+            return
+
+        def release() -> None:
+            outcome = self.gatekeeper.release(bound.task_name, spec, token=token)
+            self._wake(broker, outcome.wakes)
+
+        self._or_later(release, f"releasing run {spec.run_id} of key {spec.key!r}")
+
+    def _settle_unseen(self, broker: Broker, bound: BoundSingleton, message: MessageProxy) -> None:
+        """Terminal end of a delivery our gate never saw: settle the run only if this copy is live.
+
+        Claiming first tells a live copy (settle it) from a duplicate of a run executing
+        elsewhere (leave it) and from a stale copy (nothing to do).
+        """
+        try:
+            spec = self.gatekeeper.spec(bound, message.message_id, message.args, message.kwargs)
+        except core.SingletonKeyError:
+            return  # never registered: a key is needed for that
+        generation = _generation(message)
+
+        def settle() -> None:
+            outcome = self.gatekeeper.claim(bound.task_name, spec, generation, None)
+            self._wake(broker, outcome.wakes)
+            if outcome.decision is Decision.ADMITTED:
+                released = self.gatekeeper.release(bound.task_name, spec, token=outcome.token)
+            elif outcome.decision is Decision.GATED:
+                released = self.gatekeeper.release(bound.task_name, spec, token=None)
+            else:
+                return
+            self._wake(broker, released.wakes)
+
+        self._or_later(settle, f"settling skipped run {spec.run_id} of key {spec.key!r}")
+
+    def _or_later(self, action: Callable[[], None], what: str) -> None:
+        try:
+            action()
+        except core.StoreUnavailableError as error:
+            logger.warning("%s failed (%s); retrying from the heartbeat thread", what, error)
+            self.gatekeeper.retry_later(action, what)
+
+    def _delivery(self) -> _Delivery | None:
+        delivery: _Delivery | None = getattr(self._local, "delivery", None)
+        return delivery
+
+
+# -- helpers -------------------------------------------------------------------------------
+_WORKER_LOGGER = "dramatiq.worker.WorkerThread"
+
+
+class _QuietDeferrals(logging.Filter):
+    """Drops the worker's per-skip warning for our own deferrals (one per waiter per re-check)."""
+
+    def __init__(self, middleware: SingletonMiddleware) -> None:
+        super().__init__()
+        self._middleware = middleware
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != "Message %s was skipped." or not isinstance(record.args, tuple) or not record.args:
+            return True
+        delivery = self._middleware._delivery()
+        return not (delivery is not None and delivery.quiet and delivery.message is record.args[0])
+
+
+def _generation(message: MessageProxy) -> int:
+    value = message.options.get(GENERATION, 0)
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _keep_results_away(message: MessageProxy) -> None:
+    # Results.after_skip_message stores None for a skipped, non-failed message: a waiter's
+    # get_result(block=True) would return early, a dropped copy would overwrite the real result.
+    message.options["store_results"] = False
+
+
+def _leave(delivery: _Delivery) -> None:
+    if delivery.context is not None:
+        context, delivery.context = delivery.context, None
+        try:
+            admission.leave(context)
+        except ValueError:  # another context (an interrupt re-entered a hook): nothing to restore
+            pass
+
+
+def _signature(actor: dramatiq.Actor[Any, Any]) -> inspect.Signature | None:
+    try:
+        return inspect.signature(actor.fn)
+    except (TypeError, ValueError):
+        return None
+
+
+def _bind(actor: dramatiq.Actor[Any, Any]) -> BoundSingleton | None:
+    """The actor's bound config; the option's dict / SingletonConfig form is bound once, in place."""
+    value = actor.options.get(OPTION)
+    if value is None or isinstance(value, BoundSingleton):
+        return value
+    config = SingletonConfig.coerce(value, task_name=actor.actor_name)
+    bound = BoundSingleton.bind(config, task_name=actor.actor_name, signature=_signature(actor))
+    actor.options[OPTION] = bound
+    return bound
+
+
+def _bound_for(broker: Broker, actor_name: str) -> BoundSingleton | None:
+    actor = broker.actors.get(actor_name)
+    if actor is None:
+        return None  # declared elsewhere only: a first-sight registration at its gate
+    return _bind(actor)
+
+
+def _has_middleware(broker: Broker) -> bool:
+    return any(isinstance(m, SingletonMiddleware) for m in broker.middleware)
+
+
+def _describe_actor(task: object) -> TaskDescription | None:
+    """Teach ``@singleton`` Dramatiq actors: the config goes into the actor's ``singleton`` option."""
+    if not isinstance(task, dramatiq.Actor):
+        return None
+    actor: dramatiq.Actor[Any, Any] = task
+
+    def attach(bound: BoundSingleton) -> object:
+        actor.options[OPTION] = bound
+        _require_middleware(actor)
+        return actor
+
+    return TaskDescription(actor.actor_name, _signature(actor), attach)
+
+
+def _require_middleware(actor: dramatiq.Actor[Any, Any]) -> None:
+    """Make building a message of the actor fail while its broker lacks the middleware."""
+    build = actor.message_with_options
+    if getattr(build, "_singleton_guard", False):
+        return
+
+    def message_with_options(
+        *, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None, **options: Any
+    ) -> Any:
+        if not _has_middleware(actor.broker):
+            raise core.SingletonConfigError(
+                f"{actor.actor_name} is a singleton actor but its broker has no SingletonMiddleware: "
+                "add broker.add_middleware(SingletonMiddleware(...)) before importing actor modules; "
+                "nothing was sent"
+            )
+        return build(args=args, kwargs=kwargs, **options)
+
+    message_with_options._singleton_guard = True  # type: ignore[attr-defined]
+    actor.message_with_options = message_with_options  # type: ignore[method-assign]
+
+
+register_describer(_describe_actor)
+
+__all__ = [
+    "GENERATION",
+    "ConfigError",
+    "DeferralFailed",
+    "KeyFailed",
+    "QueueFull",
+    "SchemaError",
+    "SingletonKeyError",
+    "SingletonMiddleware",
+    "StoreUnavailable",
+]

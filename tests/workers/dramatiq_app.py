@@ -1,0 +1,96 @@
+"""A small Dramatiq app for the worker-process tests: configured from ``SINGLETON_APP_*`` env vars.
+
+Run as ``dramatiq dramatiq_app --path tests/workers``; the tests build the same app in their own
+process (``build(config)``) to send messages. Bodies append one JSON line per run to a Redis list;
+a probe middleware (before SingletonMiddleware) appends one line per delivery to another.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import dramatiq
+import redis
+
+from singleton_tasks import current_admission
+from singleton_tasks.dramatiq import GENERATION, SingletonMiddleware
+
+
+@dataclass(frozen=True)
+class AppConfig:
+    broker: str  # "redis" | "rabbitmq"
+    broker_url: str
+    store: str
+    namespace: str
+    queue: str
+    log_url: str
+    log_key: str
+    retry_delay: float = 0.3
+
+    def env(self) -> dict[str, str]:
+        return {f"SINGLETON_APP_{name.upper()}": str(value) for name, value in self.__dict__.items()}
+
+    @classmethod
+    def from_env(cls) -> AppConfig:
+        values: dict[str, Any] = {
+            name: os.environ[f"SINGLETON_APP_{name.upper()}"] for name in cls.__annotations__
+        }
+        values["retry_delay"] = float(values["retry_delay"])
+        return cls(**values)
+
+
+class DeliveryLog(dramatiq.Middleware):
+    """Records every delivery, also the ones the gate defers or drops."""
+
+    def __init__(self, client: redis.Redis, key: str) -> None:
+        self.client, self.key = client, key
+
+    def before_process_message(self, broker: Any, message: Any) -> None:
+        entry = {"run_id": message.message_id, "gen": message.options.get(GENERATION, 0), "pid": os.getpid()}
+        self.client.rpush(self.key + ":deliveries", json.dumps(entry))
+
+
+def build(config: AppConfig) -> tuple[dramatiq.Broker, dramatiq.Actor[Any, Any]]:
+    broker: dramatiq.Broker
+    if config.broker == "redis":
+        from dramatiq.brokers.redis import RedisBroker
+
+        broker = RedisBroker(url=config.broker_url)
+    else:
+        from dramatiq.brokers.rabbitmq import RabbitmqBroker
+
+        broker = RabbitmqBroker(url=config.broker_url)
+    log = redis.Redis.from_url(config.log_url)
+    broker.add_middleware(DeliveryLog(log, config.log_key))
+    broker.add_middleware(
+        SingletonMiddleware(
+            config.store, namespace=config.namespace, retry_delay=config.retry_delay, retry_jitter=0.0
+        )
+    )
+
+    @dramatiq.actor(broker=broker, queue_name=config.queue, max_retries=0, singleton={"key": "{key}"})
+    def record(key: str, label: str, duration: float) -> None:
+        admitted = current_admission()
+        start = time.time()
+        time.sleep(duration)
+        entry = {
+            "key": key,
+            "label": label,
+            "run_id": admitted.run_id if admitted else None,
+            "token": admitted.token if admitted else None,
+            "pid": os.getpid(),
+            "start": start,
+            "end": time.time(),
+        }
+        log.rpush(config.log_key, json.dumps(entry))
+
+    return broker, record
+
+
+if os.environ.get("SINGLETON_APP_BROKER"):  # imported by the dramatiq CLI
+    broker, record = build(AppConfig.from_env())
+    dramatiq.set_broker(broker)
