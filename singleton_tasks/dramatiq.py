@@ -486,9 +486,10 @@ def _has_middleware(broker: Broker) -> bool:
 
 def _describe_actor(task: object) -> TaskDescription | None:
     """Teach ``@singleton`` Dramatiq actors: the config goes into the actor's ``singleton`` option."""
-    if not isinstance(task, dramatiq.Actor):
+    # type(), not isinstance(): isinstance would evaluate a Celery PromiseProxy (finalizing its app).
+    if not issubclass(type(task), dramatiq.Actor):
         return None
-    actor: dramatiq.Actor[Any, Any] = task
+    actor: dramatiq.Actor[Any, Any] = task  # type: ignore[assignment]
 
     def attach(bound: BoundSingleton) -> object:
         actor.options[OPTION] = bound

@@ -91,8 +91,12 @@ class Gatekeeper:
     # -- the store, one per process --------------------------------------------------------
     @property
     def store(self) -> Store:
-        if self._pid != os.getpid() and not isinstance(self._store_arg, Store):
-            self._store, self._heartbeater, self._pid = None, None, os.getpid()  # forked: fresh clients
+        if self._pid != os.getpid():
+            # Forked (prefork pool): the parent's threads did not come along, and its lock may have
+            # been held at the fork. A store given as an instance is kept; a URL gets fresh clients.
+            self._heartbeater, self._lock, self._pid = None, threading.Lock(), os.getpid()
+            if not isinstance(self._store_arg, Store):
+                self._store = None
         if self._store is None:
             with self._lock:
                 if self._store is None:

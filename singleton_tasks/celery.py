@@ -1,0 +1,643 @@
+"""Celery adapter: :class:`SingletonTask` and :func:`install` (SPEC §2–§7).
+
+Only what is Celery-specific lives here; the rules are the store's (``gate.py``) and the
+shared worker logic is :class:`singleton_tasks.runtime.Gatekeeper`'s.
+
+- Enqueue: ``SingletonTask.apply_async`` registers the run (with the backlog cap) before it
+  publishes and undoes the registration when publishing raises; signal receivers cannot veto
+  a publish.
+- Gate: ``before_start`` claims a slot; a denied delivery is re-published with the same task
+  id and a generation header, then dropped with ``Ignore`` (state stays ``PENDING``).
+- Settle: ``task_postrun`` in the executing process; ``task_revoked`` and ``task_failure`` in
+  the worker's main process (revokes, expiry, hard time limits, lost workers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import datetime
+import inspect
+import logging
+import threading
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, ClassVar, NoReturn
+
+from celery import Celery, Task, signals
+from celery import states as celery_states
+from celery._state import _get_active_apps, connect_on_app_finalize, get_current_worker_task
+from celery.canvas import Signature
+from celery.exceptions import Ignore, Reject
+from celery.local import PromiseProxy, Proxy
+from celery.utils import uuid
+from kombu.utils import json as _kombu_json
+
+from . import admission, clock
+from .config import BoundSingleton, SingletonConfig
+from .decorator import TaskDescription, register_describer
+from .errors import SingletonConfigError, SingletonKeyError, StoreUnavailableError
+from .outcomes import Decision, Registered, RunSpec, Wake
+from .runtime import Gatekeeper
+
+__all__ = ["GENERATION_HEADER", "SingletonTask", "gatekeeper_for", "install"]
+
+logger = logging.getLogger("singleton_tasks")
+
+#: Message header naming the generation of a copy the library published (absent: 0).
+GENERATION_HEADER = "singleton_gen"
+_APP_GATEKEEPER = "_singleton_gatekeeper"
+_APP_SETTINGS = "_singleton_settings"
+_gatekeeper_lock = threading.Lock()
+
+_json: Any = _kombu_json  # kombu is untyped; its JSON carries datetimes, UUIDs, Decimals
+
+# Set while the library re-publishes a run it handles (a deferral, a wake): those publishes
+# skip registration and the dedupe of SPEC §7.
+_republishing: contextvars.ContextVar[bool] = contextvars.ContextVar("singleton_republishing", default=False)
+
+
+# -- installing ----------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+    store: Any
+    namespace: str
+    options: dict[str, Any]
+
+
+def install(
+    app: Celery,
+    store: Any = None,
+    *,
+    namespace: str = "default",
+    retry_delay: float = 1.0,
+    retry_jitter: float = 0.25,
+    lease: float = 60.0,
+    orphan_timeout: float | None = 600.0,
+    heartbeat_interval: float | None = None,
+    max_retry_delay: float = 10.0,
+) -> None:
+    """Give ``app``'s singleton tasks a store and worker timings (SPEC §2).
+
+    ``store`` is a URL or a :class:`~singleton_tasks.Store`; without it ``app.conf.singleton_store``,
+    then ``SINGLETON_TASKS_STORE``, then the embedded SQLite default (with a warning). The
+    store is opened lazily, once per process (after a prefork fork, again in the child).
+    """
+    settings = _Settings(
+        store,
+        namespace,
+        {
+            "retry_delay": retry_delay,
+            "retry_jitter": retry_jitter,
+            "lease": lease,
+            "orphan_timeout": orphan_timeout,
+            "heartbeat_interval": heartbeat_interval,
+            "max_retry_delay": max_retry_delay,
+        },
+    )
+    with _gatekeeper_lock:
+        previous: Gatekeeper | None = getattr(app, _APP_GATEKEEPER, None)
+        setattr(app, _APP_SETTINGS, settings)
+        setattr(app, _APP_GATEKEEPER, None)  # built at first use, so app.conf may still change
+    if previous is not None:
+        previous.close()
+    _connect_signals()
+
+
+def gatekeeper_for(app: Celery) -> Gatekeeper:
+    """The app's :class:`Gatekeeper`, created at first use from :func:`install` or ``app.conf``."""
+    gatekeeper: Gatekeeper | None = getattr(app, _APP_GATEKEEPER, None)
+    if gatekeeper is not None:
+        return gatekeeper
+    with _gatekeeper_lock:
+        gatekeeper = getattr(app, _APP_GATEKEEPER, None)
+        if gatekeeper is None:
+            settings: _Settings = getattr(app, _APP_SETTINGS, None) or _Settings(None, "default", {})
+            store = settings.store if settings.store is not None else app.conf.get("singleton_store")
+            gatekeeper = Gatekeeper(store, namespace=settings.namespace, **settings.options)
+            setattr(app, _APP_GATEKEEPER, gatekeeper)
+    return gatekeeper
+
+
+# -- the task class ------------------------------------------------------------------------
+@dataclasses.dataclass
+class _Delivery:
+    """What the gate decided for the delivery being traced (kept on its request context)."""
+
+    spec: RunSpec | None = None
+    generation: int = 0
+    token: int | None = None  # set when admitted: this delivery's body holds a slot
+    context: contextvars.Token[admission.Admission | None] | None = None
+    settled: bool = False
+
+
+_DELIVERY_ATTRIBUTE = "_singleton_delivery"
+
+
+class _Deferred(Ignore):  # type: ignore[misc]
+    """The delivery was deferred or dropped by the gate: ack it, store nothing, settle nothing."""
+
+
+class SingletonTask(Task):  # type: ignore[misc]
+    """Base of singleton tasks: ``@app.task(base=SingletonTask, singleton={"key": ...})``."""
+
+    #: The declaration: a dict of :class:`SingletonConfig` fields or a ``SingletonConfig``.
+    singleton: Any = None
+    # SPEC §6: a crashed worker's message comes back and reclaims its slot.
+    acks_late = True
+    reject_on_worker_lost = True
+
+    _singleton_bound: ClassVar[BoundSingleton | None] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "_singleton_bound" in cls.__dict__:
+            return  # made by @singleton, already validated
+        declared = getattr(cls, "singleton", None)
+        name = cls.__dict__.get("name") or getattr(cls, "name", None) or f"{cls.__module__}.{cls.__name__}"
+        if declared is None:
+            if cls.__dict__.get("_decorated"):
+                logger.warning(
+                    "%s has base=SingletonTask but no singleton={...} option: it runs as a plain task", name
+                )
+            cls._singleton_bound = None
+            return
+        config = SingletonConfig.coerce(declared, task_name=name)
+        cls._singleton_bound = BoundSingleton.bind(
+            config, task_name=name, signature=_class_run_signature(cls)
+        )
+        _warn_on_unsafe_acks(name, cls.__dict__)
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _singleton_binding(self) -> BoundSingleton | None:
+        bound = type(self)._singleton_bound
+        if bound is not None and bound.config.scope is None and self.name and bound.task_name != self.name:
+            # A class-based task named at registration: its scope defaults to the real name.
+            bound = BoundSingleton.bind(bound.config, task_name=self.name, signature=bound.signature)
+            type(self)._singleton_bound = bound
+        return bound
+
+    def _is_own_republish(self, task_id: str, options: Mapping[str, Any]) -> bool:
+        """A retry of the run being executed (SPEC §7: the framework's own publish passes through)."""
+        request = self.request
+        if not request.called_directly and request.id == task_id:
+            return True
+        # Celery sets ``retries`` only when it retries a run (Task.retry, retry_on_worker_lost).
+        return bool(options.get("retries"))
+
+    def _is_worker_dispatch(self, options: Mapping[str, Any]) -> bool:
+        """A chain step or callback the tracer publishes for the task it just ran."""
+        parent = options.get("parent_id")
+        current = get_current_worker_task()
+        return bool(parent) and current is not None and current.request.id == parent
+
+    # -- enqueue (SPEC §3.1, §5, §7) -------------------------------------------------------
+    def apply_async(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        task_id: str | None = None,
+        producer: Any = None,
+        link: Any = None,
+        link_error: Any = None,
+        shadow: Any = None,
+        **options: Any,
+    ) -> Any:
+        bound = self._singleton_binding()
+
+        def publish(run_id: str | None) -> Any:
+            return super(SingletonTask, self).apply_async(
+                args, kwargs, run_id, producer, link, link_error, shadow, **options
+            )
+
+        if bound is None or _republishing.get() or self._get_app().conf.task_always_eager:
+            return publish(task_id)
+        check_arguments = getattr(self, "__header__", None) if self.typing else None
+        if check_arguments is not None:
+            check_arguments(*(args or ()), **(kwargs or {}))  # Celery's own TypeError comes first
+        run_id = task_id or uuid()
+        if self._is_own_republish(run_id, options):
+            return publish(run_id)  # the store knows the run; its delivery claims its own slot
+        gatekeeper = gatekeeper_for(self._get_app())
+        spec = gatekeeper.spec(bound, run_id, tuple(args or ()), dict(kwargs or {}))
+        dispatch = self._is_worker_dispatch(options)
+        if dispatch:
+            # A chain step accepted with its chain: never fail the parent over the cap or an outage.
+            spec = dataclasses.replace(spec, max_queue_depth=None)
+        try:
+            outcome = gatekeeper.register(bound, spec, confirmed=True)
+        except StoreUnavailableError:
+            if not dispatch:
+                raise
+            logger.warning("store unavailable: publishing %s run %s unregistered", self.name, run_id)
+            return publish(run_id)  # registered at first delivery (SPEC §4)
+        if outcome.status is Registered.EXISTS:
+            logger.info("%s run %s is already registered: not published again (SPEC §7)", self.name, run_id)
+            return self.AsyncResult(run_id)
+        try:
+            return publish(run_id)
+        except BaseException:
+            try:
+                gatekeeper.unregister(spec)
+            except StoreUnavailableError:
+                logger.exception("could not undo the registration of %s run %s", self.name, run_id)
+            raise
+
+    # -- gate (SPEC §3.2–§3.3, §4) ---------------------------------------------------------
+    def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
+        super().before_start(task_id, args, kwargs)
+        bound = self._singleton_binding()
+        if bound is None:
+            return
+        request = self.request
+        if request.is_eager or request.called_directly:
+            logger.debug("%s run %s is eager: it bypasses the singleton gate", self.name, task_id)
+            return
+        delivery = _Delivery(generation=_generation_of(request))
+        setattr(request, _DELIVERY_ATTRIBUTE, delivery)  # marks the delivery as handled here
+        gatekeeper = gatekeeper_for(self._get_app())
+        delivery.spec = spec = gatekeeper.spec(bound, task_id, tuple(args or ()), dict(kwargs or {}))
+        try:
+            outcome = gatekeeper.claim(self.name, spec, delivery.generation, _payload_of(self, request))
+        except StoreUnavailableError:
+            logger.warning(
+                "store unavailable at the gate: %s run %s deferred", self.name, task_id, exc_info=True
+            )
+            self._defer(request, delivery.generation, gatekeeper.deferral_delay(None, spec.limit))
+        _publish_wakes(self._get_app(), outcome.wakes)
+        if outcome.decision is Decision.ADMITTED:
+            delivery.token = outcome.token
+            delivery.context = admission.enter(
+                admission.Admission(task_id, spec.scope, spec.key, outcome.token or 0)
+            )
+            return
+        if outcome.decision is Decision.STALE:
+            logger.info(
+                "%s run %s: dropped a stale copy (generation %s)", self.name, task_id, delivery.generation
+            )
+            raise _Deferred("stale copy dropped")
+        generation = outcome.generation if outcome.generation is not None else delivery.generation
+        self._defer(request, generation, gatekeeper.deferral_delay(outcome.position, spec.limit))
+
+    def _defer(self, request: Any, generation: int, delay: float) -> NoReturn:
+        """Re-publish this delivery (same id, retries, links, routing) ``delay`` s later; then Ignore."""
+        headers = {**(request.headers or {}), GENERATION_HEADER: generation}
+        signature = self.signature_from_request(
+            request, countdown=delay, retries=request.retries, headers=headers
+        )
+        signature.options.pop("redelivered", None)
+        try:
+            with _republish():
+                signature.apply_async()
+        except Exception as exc:
+            logger.exception("could not defer %s run %s", self.name, request.id)
+            if self.acks_late:
+                raise Reject(exc, requeue=True) from exc  # the broker keeps the message
+            raise
+        raise _Deferred(f"deferred {delay:.2f}s (generation {generation})")
+
+
+# -- settlement (SPEC §3.4–§3.6) -----------------------------------------------------------
+def _on_postrun(
+    sender: Any = None, task_id: str | None = None, retval: Any = None, state: str | None = None, **_: Any
+) -> None:
+    task = sender
+    if not isinstance(task, SingletonTask):
+        return
+    delivery: _Delivery | None = getattr(task.request, _DELIVERY_ATTRIBUTE, None)
+    if delivery is None or delivery.token is None or delivery.spec is None or delivery.settled:
+        return  # not admitted here: deferred, dropped, failed at the gate, or eager
+    delivery.settled = True
+    if delivery.context is not None:
+        with contextlib.suppress(ValueError):  # entered in another context: nothing to reset
+            admission.leave(delivery.context)
+    app = task._get_app()
+    gatekeeper = gatekeeper_for(app)
+    spec, token, generation = delivery.spec, delivery.token, delivery.generation
+    if state == celery_states.RETRY:
+        delay = _retry_delay(retval)
+        _settle(
+            gatekeeper, f"suspend {task.name} run {task_id}", lambda: gatekeeper.suspend(spec, token, delay)
+        )
+    elif state == celery_states.REJECTED and getattr(retval, "requeue", False):
+        # The broker redelivers it: the copy reclaims its own slot at once.
+        _settle(
+            gatekeeper, f"suspend {task.name} run {task_id}", lambda: gatekeeper.suspend(spec, token, 0.0)
+        )
+    else:
+        _settle(
+            gatekeeper,
+            f"release {task.name} run {task_id} ({state})",
+            lambda: _publish_wakes(
+                app, gatekeeper.release(task.name, spec, token=token, generation=generation).wakes
+            ),
+        )
+
+
+def _settle(gatekeeper: Gatekeeper, what: str, action: Callable[[], object]) -> None:
+    """Run a settlement; on a store outage, again from the heartbeat thread until it succeeds."""
+    try:
+        action()
+    except StoreUnavailableError as error:
+        logger.warning("%s failed (%s): retrying in the background", what, error)
+        gatekeeper.retry_later(action, what)
+
+
+def _settle_elsewhere(task: Any, run_id: str | None, args: Any, kwargs: Any, why: str) -> None:
+    """Settle a run from the worker's main process, where no admission token is known."""
+    bound = task._singleton_binding()
+    if bound is None or not run_id:
+        return
+    app = task._get_app()
+    gatekeeper = gatekeeper_for(app)
+    try:
+        spec = gatekeeper.spec(bound, run_id, tuple(args or ()), dict(kwargs or {}))
+    except SingletonKeyError:
+        return  # never registered: its delivery failed at the gate
+
+    def release() -> None:
+        outcome = gatekeeper.release(task.name, spec, token=None)
+        if outcome.released:
+            logger.info("%s run %s settled: %s", task.name, run_id, why)
+        _publish_wakes(app, outcome.wakes)
+
+    _settle(gatekeeper, f"settle {task.name} run {run_id} ({why})", release)
+
+
+def _on_revoked(
+    sender: Any = None, request: Any = None, terminated: bool = False, expired: bool = False, **_: Any
+) -> None:
+    task = sender
+    if not isinstance(task, SingletonTask) or request is None:
+        return
+    why = "expired" if expired else ("revoked and terminated" if terminated else "revoked")
+    _settle_elsewhere(task, request.id, request.args, request.kwargs, why)
+
+
+def _on_failure(
+    sender: Any = None,
+    task_id: str | None = None,
+    exception: BaseException | None = None,
+    args: Any = None,
+    kwargs: Any = None,
+    **_: Any,
+) -> None:
+    task = sender
+    if not isinstance(task, SingletonTask):
+        return
+    if getattr(task.request, _DELIVERY_ATTRIBUTE, None) is not None:
+        return  # the executing process: task_postrun settles it
+    # The main process: hard time limit, worker lost without requeue, Reject(requeue=False).
+    _settle_elsewhere(task, task_id, args, kwargs, f"failed in the worker: {type(exception).__name__}")
+
+
+_signals_connected = False
+
+
+def _connect_signals() -> None:
+    global _signals_connected
+    if _signals_connected:
+        return
+    _signals_connected = True
+    signals.task_postrun.connect(_on_postrun, weak=False, dispatch_uid="singleton_tasks.postrun")
+    signals.task_revoked.connect(_on_revoked, weak=False, dispatch_uid="singleton_tasks.revoked")
+    signals.task_failure.connect(_on_failure, weak=False, dispatch_uid="singleton_tasks.failure")
+
+
+_connect_signals()  # SingletonTask works without install(): the app.conf / env / default store
+
+
+# -- copies the library publishes ----------------------------------------------------------
+@contextlib.contextmanager
+def _republish() -> Iterator[None]:
+    reset = _republishing.set(True)
+    try:
+        yield
+    finally:
+        _republishing.reset(reset)
+
+
+def _generation_of(request: Any) -> int:
+    value = (request.headers or {}).get(GENERATION_HEADER, getattr(request, GENERATION_HEADER, 0))
+    try:
+        return int(value or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+def _payload_of(task: SingletonTask, request: Any) -> bytes | None:
+    """The delivery as a signature, so any process can re-publish it when it is woken."""
+    try:
+        signature = task.signature_from_request(request, retries=request.retries)
+        options = signature.options
+        options.pop("redelivered", None)
+        options["headers"] = {
+            k: v for k, v in (options.get("headers") or {}).items() if k != GENERATION_HEADER
+        }
+        data: str = _json.dumps(dict(signature))
+        return data.encode()
+    except Exception:  # an argument JSON cannot carry: the retry timer wakes it instead
+        logger.debug("%s run %s cannot be woken by a release", task.name, request.id, exc_info=True)
+        return None
+
+
+def _publish_wakes(app: Celery, wakes: Iterable[Wake]) -> None:
+    """Publish woken waiters at once (SPEC §3.6); a failure leaves them to their retry timer."""
+    for wake in wakes:
+        if wake.payload is None:
+            continue
+        try:
+            signature = Signature.from_dict(_json.loads(wake.payload), app=app)
+            options = signature.options
+            for timing in ("countdown", "eta"):
+                options.pop(timing, None)
+            options["headers"] = {**(options.get("headers") or {}), GENERATION_HEADER: wake.generation}
+            with _republish():
+                signature.apply_async()
+            logger.debug("woke run %s of key %r (generation %s)", wake.run_id, wake.key, wake.generation)
+        except Exception:
+            logger.warning(
+                "could not wake run %s of key %r; its retry timer will", wake.run_id, wake.key, exc_info=True
+            )
+
+
+def _retry_delay(retry: Any) -> float:
+    when = getattr(retry, "when", None)
+    if isinstance(when, datetime.datetime):
+        now = datetime.datetime.fromtimestamp(clock.now(), tz=when.tzinfo or datetime.timezone.utc)
+        return max(0.0, (when - now).total_seconds())
+    if isinstance(when, (int, float)):
+        return max(0.0, float(when))
+    return 0.0
+
+
+def _warn_on_unsafe_acks(name: str, attributes: Mapping[str, Any]) -> None:
+    for option in ("acks_late", "reject_on_worker_lost"):
+        if attributes.get(option) is False:
+            warnings.warn(
+                f"singleton task {name} sets {option}=False: a worker crash can now lose the run (SPEC §6)",
+                stacklevel=4,
+            )
+
+
+def _class_run_signature(cls: type) -> inspect.Signature | None:
+    run = inspect.getattr_static(cls, "run", None)
+    try:
+        if isinstance(run, staticmethod):
+            return inspect.signature(run.__func__)
+        if callable(run):
+            return _drop_first(inspect.signature(run))
+    except (TypeError, ValueError):
+        pass
+    return None
+
+
+def _drop_first(signature: inspect.Signature) -> inspect.Signature:
+    return signature.replace(parameters=list(signature.parameters.values())[1:])
+
+
+# -- @singleton on an existing task (SPEC §2) ----------------------------------------------
+def _upgrade(task: Any, bound: BoundSingleton, explicit: Mapping[str, Any] | None = None) -> None:
+    """Give ``task`` a class that includes SingletonTask (the tracer looks hooks up on the class)."""
+    cls = type(task)
+    if issubclass(cls, SingletonTask) and cls._singleton_bound is not None:
+        if cls.__dict__.get("_singleton_bound") is bound:
+            return
+        raise SingletonConfigError(f"{task.name} is already a singleton task; declare it once")
+    namespace: dict[str, Any] = {
+        "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__,
+        "__doc__": cls.__doc__,
+        "_singleton_bound": bound,
+    }
+    conf = task._get_app().conf
+    for option, setting in (
+        ("acks_late", "task_acks_late"),
+        ("reject_on_worker_lost", "task_reject_on_worker_lost"),
+    ):
+        value = getattr(cls, option, None)
+        chosen = (
+            explicit.get(option)
+            if explicit is not None and option in explicit
+            else (value if value is not None and value != conf.get(setting) else None)
+        )
+        namespace[option] = True if chosen is None else bool(chosen)
+    _warn_on_unsafe_acks(task.name, namespace)
+    bases = (cls,) if issubclass(cls, SingletonTask) else (SingletonTask, cls)
+    task.__class__ = type(cls.__name__, bases, namespace)
+    if task.__dict__.get("__trace__") is not None:
+        task.__trace__ = None  # rebuilt with the new class's hooks
+
+
+def _proxy_parts(proxy: Any) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+    return (
+        object.__getattribute__(proxy, "_Proxy__local"),
+        object.__getattribute__(proxy, "_Proxy__args"),
+        object.__getattribute__(proxy, "_Proxy__kwargs"),
+    )
+
+
+def _fun_signature(fun: Any, *, bind: bool) -> inspect.Signature | None:
+    try:
+        signature = inspect.signature(fun)
+    except (TypeError, ValueError):
+        return None
+    return _drop_first(signature) if bind else signature
+
+
+def _cannot(task: object, why: str) -> SingletonConfigError:
+    return SingletonConfigError(
+        f"@singleton cannot handle {type(task).__name__} {why}; put @singleton directly on @app.task or "
+        "@shared_task, or use @app.task(base=SingletonTask, singleton={...})"
+    )
+
+
+def _describe_promise(proxy: Any) -> TaskDescription:
+    """``@app.task`` on an app not finalized yet: attach when the proxy evaluates."""
+    if proxy.__evaluated__():
+        return _describe_task(proxy._get_current_object())
+    try:
+        local, args, options = _proxy_parts(proxy)
+    except AttributeError:
+        raise _cannot(proxy, "(a proxy whose task cannot be found)") from None
+    app = getattr(local, "__self__", None)
+    if not isinstance(app, Celery) or getattr(local, "__name__", "") != "_task_from_fun" or not args:
+        raise _cannot(proxy, f"(a promise of {local!r}, not of a Celery task)")
+    fun = args[0]
+    name = options.get("name") or app.gen_task_name(fun.__name__, fun.__module__)
+
+    def attach(bound: BoundSingleton) -> object:
+        proxy.__then__(lambda: _upgrade(proxy._get_current_object(), bound, options))
+        return proxy
+
+    return TaskDescription(name, _fun_signature(fun, bind=bool(options.get("bind"))), attach)
+
+
+def _describe_shared(proxy: Any) -> TaskDescription:
+    """``@shared_task``: every app gets its own copy, so upgrade each as it is finalized."""
+    local = object.__getattribute__(proxy, "_Proxy__local")
+    code = getattr(local, "__code__", None)
+    cells = getattr(local, "__closure__", None) or ()
+    free = (
+        dict(zip(code.co_freevars, (c.cell_contents for c in cells), strict=False))
+        if code is not None
+        else {}
+    )
+    fun = free.get("fun")
+    if getattr(local, "__name__", "") != "task_by_cons" or fun is None:
+        raise _cannot(proxy, f"(a proxy of {local!r}, not a shared task)")
+    explicit_name: str | None = free.get("name")
+
+    def task_name(app: Celery) -> str:
+        return explicit_name or str(app.gen_task_name(fun.__name__, fun.__module__))
+
+    def attach(bound: BoundSingleton) -> object:
+        def upgrade_in(app: Celery) -> None:
+            task = app._tasks.get(task_name(app))
+            if task is not None:
+                _upgrade(task, bound)
+
+        def on_finalize(app: Celery) -> None:
+            # Finalizers run in no fixed order: upgrade after all of them created their tasks.
+            app.on_after_finalize.connect(lambda sender=None, **_: upgrade_in(app), weak=False)
+
+        connect_on_app_finalize(on_finalize)
+        for app in list(_get_active_apps()):
+            if app.finalized:
+                upgrade_in(app)
+        return proxy
+
+    name = explicit_name or f"{fun.__module__}.{fun.__name__}"
+    return TaskDescription(name, _fun_signature(fun, bind=False), attach)
+
+
+def _describe_task(task: Any) -> TaskDescription:
+    try:
+        signature: inspect.Signature | None = inspect.signature(task.run)
+    except (TypeError, ValueError):
+        signature = None
+
+    def attach(bound: BoundSingleton) -> object:
+        _upgrade(task, bound)
+        return task
+
+    return TaskDescription(task.name, signature, attach)
+
+
+@register_describer
+def describe_celery_task(task: object) -> TaskDescription | None:
+    """Teach ``@singleton`` Celery tasks, ``@app.task`` promises and ``@shared_task`` proxies."""
+    kind = type(task)  # never isinstance() first: a Proxy forwards __class__ and would evaluate
+    if issubclass(kind, PromiseProxy):
+        return _describe_promise(task)
+    if issubclass(kind, Proxy):
+        return _describe_shared(task)
+    if isinstance(task, type) and issubclass(task, Task):
+        raise SingletonConfigError(
+            f"@singleton cannot handle the task class {task.__name__}: give it a `singleton = {{...}}` "
+            "attribute and SingletonTask as a base"
+        )
+    if isinstance(task, Task):
+        return _describe_task(task)
+    return None

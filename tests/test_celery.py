@@ -1,0 +1,911 @@
+"""The Celery adapter in-process: memory transport, an embedded threads worker, every store.
+
+Each test declares its own tasks with unique names on its own app and queue (``@app.task``
+is shared across apps by default, and the memory transport's queues are process-global).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery, chain, group, shared_task
+from celery.contrib.testing.worker import start_worker
+from celery.exceptions import Ignore, MaxRetriesExceededError
+from celery.result import AsyncResult
+from celery.worker import state as worker_state
+from conftest import StoreFactory
+
+from singleton_tasks import (
+    SingletonConfig,
+    SingletonConfigError,
+    SingletonKeyError,
+    SingletonQueueFullError,
+    StoreUnavailableError,
+    current_admission,
+    singleton,
+    store_from_url,
+)
+from singleton_tasks.celery import GENERATION_HEADER, SingletonTask, gatekeeper_for, install
+from singleton_tasks.stores import Store
+
+FAST = {"retry_delay": 0.1, "retry_jitter": 0.02, "max_retry_delay": 0.3}
+
+
+def noop(*args: Any, **kwargs: Any) -> None:
+    """A body for tasks whose body does not matter."""
+
+
+def unique(prefix: str = "t") -> str:
+    return f"{prefix}.{uuid.uuid4().hex[:10]}"
+
+
+@dataclass
+class Rec:
+    label: str
+    key: str
+    run_id: str
+    token: int
+    start: float
+    end: float = 0.0
+
+
+class Journal:
+    """What the bodies did, thread-safe; ``running`` tracks concurrency per key."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.records: list[Rec] = []
+        self.running: dict[str, int] = {}
+        self.max_running: dict[str, int] = {}
+        self.overlaps: list[str] = []
+
+    @contextlib.contextmanager
+    def body(self, label: str, key: str, limit: int = 1) -> Iterator[Rec]:
+        admission = current_admission()
+        assert admission is not None, "a singleton body runs with an admission"
+        rec = Rec(label, key, admission.run_id, admission.token, time.monotonic())
+        with self.lock:
+            self.records.append(rec)
+            self.running[key] = self.running.get(key, 0) + 1
+            self.max_running[key] = max(self.max_running.get(key, 0), self.running[key])
+            if self.running[key] > limit:
+                self.overlaps.append(label)
+        try:
+            yield rec
+        finally:
+            with self.lock:
+                self.running[key] -= 1
+                rec.end = time.monotonic()
+
+    def labels(self) -> list[str]:
+        with self.lock:
+            return [r.label for r in sorted(self.records, key=lambda r: r.start)]
+
+    def get(self, label: str) -> list[Rec]:
+        with self.lock:
+            return [r for r in self.records if r.label == label]
+
+
+def make_app(store: Store | str | None = None, **options: Any) -> Celery:
+    app = Celery(unique("app"), broker="memory://", backend="cache+memory://", set_as_current=False)
+    app.conf.broker_transport_options = {"polling_interval": 0.01}
+    app.conf.task_default_queue = unique("q")
+    app.conf.worker_hijack_root_logger = False
+    if store is not None:
+        install(app, store, **{**FAST, **options})
+    return app
+
+
+@contextlib.contextmanager
+def worker(app: Celery, concurrency: int = 4) -> Iterator[Any]:
+    """An embedded threads-pool worker that stops in milliseconds, not seconds."""
+    wake = app.task(name=f"{app.main}.wake", shared=False, ignore_result=True)(noop)
+    stopped = threading.Event()
+
+    def nudge() -> None:
+        # The memory transport's loop blocks 2 s in drain_events, once more after the
+        # terminate flag is seen: a message wakes it each time.
+        while not stopped.wait(0.02):
+            with contextlib.suppress(Exception):
+                wake.delay()
+
+    with start_worker(
+        app, pool="threads", concurrency=concurrency, perform_ping_check=False, shutdown_timeout=30
+    ) as w:
+        try:
+            yield w
+        finally:
+            worker_state.should_terminate = 0
+            threading.Thread(target=nudge, daemon=True).start()
+    stopped.set()
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def queued(app: Celery) -> int:
+    """Messages waiting in the app's queue (nothing consumes them without a worker)."""
+    with app.connection() as conn:
+        return int(conn.default_channel.queue_declare(queue=app.conf.task_default_queue).message_count)
+
+
+def runs_of(store: Store, scope: str | None = None) -> list[str]:
+    return [
+        run_id
+        for snap in store.snapshot(now=time.time(), scope=scope)
+        for run_id in [*(h.run_id for h in snap.holders), *(w.run_id for w in snap.waiters)]
+    ]
+
+
+@pytest.fixture
+def journal() -> Journal:
+    return Journal()
+
+
+# -- the seed's story and the basic guarantees ----------------------------------------------
+def test_seed_story_a_holds_a_gated_b_runs_at_once(store: Store, journal: Journal) -> None:
+    app = make_app(store)
+    release_a1 = threading.Event()
+
+    @app.task(base=SingletonTask, singleton={"key": "store:{store_id}"}, name=unique(), shared=False)
+    def sync_inventory(store_id: str, label: str) -> str:
+        with journal.body(label, store_id):
+            if label == "A1":
+                assert release_a1.wait(10)
+            return f"synced {label}"
+
+    with worker(app):
+        a1 = sync_inventory.delay("A", "A1")
+        wait_for(lambda: bool(journal.get("A1")), what="A1 to start")
+        a2 = sync_inventory.delay("A", "A2")
+        b1 = sync_inventory.delay("B", "B1")
+        assert b1.get(interval=0.01, timeout=10) == "synced B1"  # B runs at once while A1 holds
+        time.sleep(0.3)  # several retry periods: A2 keeps being gated
+        assert journal.get("A2") == []
+        assert a2.state == "PENDING"  # a gated run is not FAILURE
+        release_a1.set()
+        assert a1.get(interval=0.01, timeout=10) == "synced A1"
+        assert a2.get(interval=0.01, timeout=10) == "synced A2"  # the gated run's result is the real one
+    (a1_rec,), (a2_rec,) = journal.get("A1"), journal.get("A2")
+    assert a2_rec.start >= a1_rec.end
+    assert journal.overlaps == []
+    wait_for(lambda: runs_of(store) == [], what="the store to empty")
+
+
+def test_no_overlap_enqueue_order_and_increasing_tokens(store: Store, journal: Journal) -> None:
+    app = make_app(store)
+
+    @app.task(base=SingletonTask, singleton={"key": "acct:{account}"}, name=unique(), shared=False)
+    def statement(account: str, label: str) -> str:
+        with journal.body(label, account):
+            time.sleep(0.03)
+        return label
+
+    labels = [f"r{i}" for i in range(6)]
+    with worker(app, concurrency=4):
+        results = [statement.delay("X", label) for label in labels]
+        assert [r.get(interval=0.01, timeout=20) for r in results] == labels
+    assert journal.labels() == labels  # started in enqueue order
+    assert journal.overlaps == [] and journal.max_running["X"] == 1
+    tokens = [journal.get(label)[0].token for label in labels]
+    assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)  # strictly increasing
+    records = sorted(journal.records, key=lambda r: r.start)
+    assert all(later.start >= earlier.end for earlier, later in itertools.pairwise(records))
+
+
+def test_limit_is_respected_and_reached(store: Store, journal: Journal) -> None:
+    app = make_app(store)
+
+    @app.task(base=SingletonTask, singleton={"key": "k", "limit": 2}, name=unique(), shared=False)
+    def limited(label: str) -> str:
+        with journal.body(label, "k", limit=2):
+            time.sleep(0.1)
+        return label
+
+    with worker(app, concurrency=4):
+        results = [limited.delay(f"r{i}") for i in range(6)]
+        assert sorted(r.get(interval=0.01, timeout=20) for r in results) == sorted(f"r{i}" for i in range(6))
+    assert journal.overlaps == []
+    assert journal.max_running["k"] == 2
+
+
+def test_different_keys_run_in_parallel(store: Store) -> None:
+    app = make_app(store)
+    barrier = threading.Barrier(3, timeout=10)
+
+    @app.task(base=SingletonTask, singleton={"key": lambda key: f"k:{key}"}, name=unique(), shared=False)
+    def parallel(key: str) -> str:
+        barrier.wait()  # breaks (BrokenBarrierError) unless all three keys run at once
+        return key
+
+    with worker(app, concurrency=4):
+        results = [parallel.delay(key) for key in "abc"]
+        assert [r.get(interval=0.01, timeout=15) for r in results] == list("abc")
+
+
+# -- max_queue_depth (SPEC §5) ----------------------------------------------------------------
+def test_max_queue_depth_rejects_the_fourth_and_accepts_after_a_slot_frees(
+    store: Store, journal: Journal
+) -> None:
+    app = make_app(store)
+    gate_open = threading.Event()
+    name = unique()
+
+    @app.task(
+        base=SingletonTask,
+        singleton={"key": "store:{store_id}", "max_queue_depth": 2},
+        name=name,
+        shared=False,
+    )
+    def sync_inventory(store_id: str, label: str) -> str:
+        with journal.body(label, store_id):
+            assert gate_open.wait(10)
+        return label
+
+    accepted = [sync_inventory.delay("S", f"r{i}") for i in range(3)]
+    assert queued(app) == 3
+    with pytest.raises(SingletonQueueFullError) as caught:
+        sync_inventory.delay("S", "r3")
+    error = caught.value
+    assert (error.task_name, error.scope, error.key, error.limit, error.max_queue_depth) == (
+        name,
+        name,
+        "store:S",
+        1,
+        2,
+    )
+    assert queued(app) == 3  # nothing published
+    assert sorted(runs_of(store)) == sorted(r.id for r in accepted)  # nothing stored
+    with worker(app):
+        wait_for(lambda: bool(journal.get("r0")), what="r0 to start")
+        with pytest.raises(SingletonQueueFullError):
+            sync_inventory.delay("S", "r3")  # a running holder still counts
+        gate_open.set()
+        assert accepted[0].get(interval=0.01, timeout=10) == "r0"
+        wait_for(lambda: accepted[0].id not in runs_of(store), what="r0 to release its slot")
+        late = sync_inventory.delay("S", "r3")  # accepted again
+        assert [r.get(interval=0.01, timeout=10) for r in [*accepted, late]] == ["r0", "r1", "r2", "r3"]
+    assert journal.overlaps == []
+
+
+# -- notify on release (SPEC §3.6) -------------------------------------------------------------
+def test_release_wakes_the_next_waiter_long_before_the_retry_delay(store: Store, journal: Journal) -> None:
+    app = make_app(store, retry_delay=30.0, max_retry_delay=30.0)
+
+    @app.task(base=SingletonTask, singleton={"key": "burst"}, name=unique(), shared=False)
+    def burst(label: str) -> str:
+        with journal.body(label, "burst"):
+            time.sleep(0.02)
+        return label
+
+    started = time.monotonic()
+    with worker(app, concurrency=4):
+        results = [burst.delay(f"r{i}") for i in range(10)]
+        assert [r.get(interval=0.01, timeout=25) for r in results] == [f"r{i}" for i in range(10)]
+    elapsed = time.monotonic() - started
+    assert elapsed < 10, f"a 10-run burst took {elapsed:.1f}s: the handoffs waited for the 30 s timer"
+    assert journal.overlaps == [] and journal.labels() == [f"r{i}" for i in range(10)]
+
+
+# -- retries keep the slot (SPEC §3.4) ---------------------------------------------------------
+def test_self_retry_keeps_the_slot_and_exhaustion_releases_it(store: Store, journal: Journal) -> None:
+    app = make_app(store)
+    attempts: dict[str, int] = {}
+
+    @app.task(
+        base=SingletonTask,
+        singleton={"key": "k", "max_queue_depth": 1},
+        bind=True,
+        name=unique(),
+        shared=False,
+        max_retries=2,
+    )
+    def flaky(self: Any, label: str, succeed_after: int) -> str:
+        with journal.body(f"{label}#{self.request.retries}", "k"):
+            attempts[label] = attempts.get(label, 0) + 1
+            if attempts[label] <= succeed_after:
+                raise self.retry(countdown=0.2)
+        return label
+
+    with worker(app):
+        first = flaky.delay("first", 2)  # two retries, then success
+        wait_for(lambda: bool(journal.get("first#0")), what="first to start")
+        second = flaky.delay("second", 99)  # retries exhausted: FAILURE
+        with pytest.raises(SingletonQueueFullError):
+            flaky.delay("third", 0)  # first (retrying) + second fill limit + depth
+        assert first.get(interval=0.01, timeout=10) == "first"  # its retries never hit the cap
+        with pytest.raises(MaxRetriesExceededError):
+            second.get(interval=0.01, timeout=10)
+        third = flaky.delay("third", 0)
+        assert third.get(interval=0.01, timeout=10) == "third"
+    order = journal.labels()
+    assert order == ["first#0", "first#1", "first#2", "second#0", "second#1", "second#2", "third#0"]
+    assert journal.overlaps == []
+    assert second.state == "FAILURE"
+
+
+def test_autoretry_for_keeps_the_slot(store: Store, journal: Journal) -> None:
+    app = make_app(store)
+    failures = {"left": 2}
+
+    @app.task(
+        base=SingletonTask,
+        singleton={"key": "k"},
+        name=unique(),
+        shared=False,
+        autoretry_for=(ConnectionError,),
+        retry_kwargs={"max_retries": 3, "countdown": 0.2},
+    )
+    def fetch(label: str) -> str:
+        with journal.body(label, "k"):
+            if label == "a" and failures["left"] > 0:
+                failures["left"] -= 1
+                raise ConnectionError("flaky upstream")
+        return label
+
+    with worker(app):
+        a = fetch.delay("a")
+        wait_for(lambda: bool(journal.get("a")), what="a to start")
+        b = fetch.delay("b")
+        assert a.get(interval=0.01, timeout=10) == "a" and b.get(interval=0.01, timeout=10) == "b"
+    assert journal.labels() == ["a", "a", "a", "b"]  # b never slipped in between a's retries
+    assert journal.overlaps == []
+
+
+# -- canvas ------------------------------------------------------------------------------------
+def test_chains_and_groups_complete(store: Store, journal: Journal) -> None:
+    app = make_app(store)
+
+    @app.task(base=SingletonTask, singleton={"key": "k", "max_queue_depth": 0}, name=unique(), shared=False)
+    def add(x: int, y: int) -> int:
+        with journal.body(f"add{x}+{y}", "k"):
+            time.sleep(0.01)
+        return x + y
+
+    with worker(app):
+        # With max_queue_depth=0 each step is dispatched while its parent still holds the slot:
+        # the chain was accepted as a whole, so its steps never hit the cap.
+        assert chain(add.s(1, 2), add.s(3), add.s(4)).delay().get(interval=0.01, timeout=15) == 10
+        wait_for(lambda: runs_of(store) == [], what="the chain to settle")
+    assert journal.overlaps == []
+
+    app = make_app(store)
+
+    @app.task(base=SingletonTask, singleton={"key": "g"}, name=unique(), shared=False)
+    def double(x: int) -> int:
+        with journal.body(f"double{x}", "g"):
+            time.sleep(0.01)
+        return 2 * x
+
+    with worker(app):
+        assert group(double.s(i) for i in range(5)).delay().get(interval=0.01, timeout=15) == [0, 2, 4, 6, 8]
+    assert journal.overlaps == []
+
+
+# -- revoke ------------------------------------------------------------------------------------
+def test_revoke_of_a_waiter_and_of_a_retrying_holder(store: Store, journal: Journal) -> None:
+    app = make_app(store)
+    gate_open = threading.Event()
+    name = unique()
+
+    @app.task(base=SingletonTask, singleton={"key": "k"}, bind=True, name=name, shared=False, max_retries=50)
+    def job(self: Any, label: str) -> str:
+        with journal.body(label, "k"):
+            if label == "holder":
+                assert gate_open.wait(10)
+            if label == "retrier":
+                raise self.retry(countdown=0.3)
+        return label
+
+    with worker(app):
+        holder = job.delay("holder")
+        wait_for(lambda: bool(journal.get("holder")), what="holder to start")
+        waiter = job.delay("waiter")
+        after = job.delay("after")
+        time.sleep(0.2)  # the waiter is delivered and gated
+        waiter.revoke()
+        gate_open.set()
+        assert holder.get(interval=0.01, timeout=10) == "holder"
+        assert after.get(interval=0.01, timeout=10) == "after"  # the revoked waiter freed its place
+        wait_for(lambda: waiter.id not in runs_of(store), what="the revoked waiter to leave the store")
+        assert journal.get("waiter") == []
+
+        retrier = job.delay("retrier")
+        wait_for(lambda: bool(journal.get("retrier")), what="retrier to start")
+        next_run = job.delay("next")
+        time.sleep(0.1)
+        retrier.revoke()  # a holder waiting for its retry: its retry copy is revoked
+        assert next_run.get(interval=0.01, timeout=10) == "next"
+    assert journal.overlaps == []
+    wait_for(lambda: runs_of(store) == [], what="the store to empty")
+
+
+def test_an_expired_waiter_is_settled(store: Store, journal: Journal) -> None:
+    app = make_app(store)
+    gate_open = threading.Event()
+
+    @app.task(base=SingletonTask, singleton={"key": "k"}, name=unique(), shared=False)
+    def job(label: str) -> str:
+        with journal.body(label, "k"):
+            if label == "holder":
+                assert gate_open.wait(10)
+        return label
+
+    with worker(app):
+        holder = job.delay("holder")
+        wait_for(lambda: bool(journal.get("holder")), what="holder to start")
+        expiring = job.apply_async(("expiring",), expires=0.3)  # its deferred copies keep the expiry
+        after = job.delay("after")
+        wait_for(lambda: expiring.id not in runs_of(store), what="the expired waiter to be settled")
+        gate_open.set()
+        assert holder.get(interval=0.01, timeout=10) == "holder"
+        assert after.get(interval=0.01, timeout=10) == "after"
+    assert journal.get("expiring") == []
+    assert expiring.state == "REVOKED"
+
+
+# -- deterministic run ids (SPEC §7) -------------------------------------------------------------
+def test_deterministic_task_id_twice_publishes_once(store: Store, journal: Journal) -> None:
+    app = make_app(store)
+
+    @app.task(base=SingletonTask, singleton={"key": "k"}, name=unique(), shared=False)
+    def deploy(env: str) -> str:
+        with journal.body(env, "k"):
+            time.sleep(0.05)
+        return env
+
+    run_id = f"deploy-prod-{uuid.uuid4().hex[:6]}"
+    first = deploy.apply_async(("prod",), task_id=run_id)
+    second = deploy.apply_async(("prod",), task_id=run_id)
+    assert isinstance(second, AsyncResult) and second.id == first.id == run_id
+    assert queued(app) == 1
+    assert runs_of(store) == [run_id]
+    other = deploy.apply_async(("prod",))  # another run id with the same key: a real second run
+    with worker(app):
+        assert (
+            first.get(interval=0.01, timeout=10) == "prod" and other.get(interval=0.01, timeout=10) == "prod"
+        )
+    assert [r.run_id for r in journal.records] == [run_id, other.id]
+
+
+# -- store outage (SPEC §8) ----------------------------------------------------------------------
+OUTAGE_PORT = 16391
+
+
+class RedisServer:
+    """A dedicated redis-server the test starts and stops by its PID (data kept in an AOF)."""
+
+    def __init__(self, directory: Path, port: int = OUTAGE_PORT) -> None:
+        self.directory, self.port = directory, port
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def listening(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                return True
+        except OSError:
+            return False
+
+    def start(self) -> None:
+        assert not self.listening(), f"port {self.port} is taken: the outage test needs its own server"
+        self.process = subprocess.Popen(
+            [
+                "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(self.directory),
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "always",
+                "--save",
+                "",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        wait_for(self.listening, timeout=10, what="redis-server to start")
+        assert self.process.poll() is None, "redis-server exited"
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+            self.process = None
+        assert not self.listening()
+
+
+@pytest.fixture
+def outage_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    server = RedisServer(tmp_path)
+    server.start()
+    yield server
+    server.stop()
+
+
+def test_store_outage_runs_nothing_without_a_slot_and_loses_nothing(
+    outage_redis: RedisServer, journal: Journal
+) -> None:
+    store = store_from_url(f"redis://127.0.0.1:{OUTAGE_PORT}/0", namespace=unique("ns").replace(".", "-"))
+    store.migrate()
+    app = make_app(store, heartbeat_interval=0.2)
+    holder_may_finish = threading.Event()
+
+    @app.task(base=SingletonTask, singleton={"key": "k"}, name=unique(), shared=False)
+    def job(label: str) -> str:
+        with journal.body(label, "k"):
+            if label == "holder":
+                assert holder_may_finish.wait(20)
+        return label
+
+    try:
+        with worker(app):
+            holder = job.delay("holder")
+            wait_for(lambda: bool(journal.get("holder")), what="holder to start")
+            waiters = [job.delay(f"w{i}") for i in range(2)]
+            time.sleep(0.2)
+            outage_redis.stop()
+            with pytest.raises(StoreUnavailableError):
+                job.delay("refused")
+            holder_may_finish.set()  # its release fails: retried in the background
+            assert holder.get(interval=0.01, timeout=10) == "holder"
+            time.sleep(0.5)  # the waiters' copies hit the outage at the gate: deferred, not run
+            assert [r.label for r in journal.records] == ["holder"]
+            outage_redis.start()
+            assert [w.get(interval=0.01, timeout=15) for w in waiters] == ["w0", "w1"]  # nothing lost
+        assert journal.labels() == ["holder", "w0", "w1"]
+        assert journal.overlaps == []
+        assert runs_of(store) == []
+    finally:
+        holder_may_finish.set()
+        store.close()
+
+
+# -- eager calls bypass the gate ------------------------------------------------------------------
+def test_eager_calls_bypass_the_gate(store: Store) -> None:
+    app = make_app(store)
+    seen: list[object] = []
+
+    @app.task(base=SingletonTask, singleton={"key": "k"}, name=unique(), shared=False)
+    def job(x: int) -> int:
+        seen.append(current_admission())
+        return x + 1
+
+    assert job.apply((1,)).get() == 2
+    assert job(2) == 3
+    app.conf.task_always_eager = True
+    assert job.delay(3).get() == 4
+    assert seen == [None, None, None]
+    assert runs_of(store) == []
+
+
+# -- bad input -------------------------------------------------------------------------------------
+def test_key_errors_at_delay_raise_and_publish_nothing(store: Store) -> None:
+    app = make_app(store)
+
+    @app.task(base=SingletonTask, singleton={"key": lambda n: n}, name=unique(), shared=False)
+    def numbered(n: object) -> object:
+        return n
+
+    with pytest.raises(SingletonKeyError):
+        numbered.delay(5)  # the key callable returns an int
+    with pytest.raises(SingletonKeyError):
+        numbered.delay("x" * 600)  # too long
+    assert queued(app) == 0 and runs_of(store) == []
+
+
+def test_a_send_task_message_with_a_bad_key_fails_once(store: Store) -> None:
+    app = make_app(store)
+    name = unique()
+    failures: list[str] = []
+
+    from celery import signals
+
+    def on_failure(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
+        if sender is not None and sender.name == name:
+            failures.append(str(task_id))
+
+    signals.task_failure.connect(on_failure, weak=False)
+    try:
+
+        @app.task(base=SingletonTask, singleton={"key": lambda n: n}, name=name, shared=False)
+        def numbered(n: object) -> object:
+            raise AssertionError("the body must not run without a key")
+
+        with worker(app):
+            result = app.send_task(name, args=[5])  # bypasses apply_async: checked at the gate
+            with pytest.raises(SingletonKeyError):
+                result.get(interval=0.01, timeout=10)
+            time.sleep(0.3)
+        assert failures == [result.id]  # once, not forever
+        assert runs_of(store) == []
+    finally:
+        signals.task_failure.disconnect(on_failure)
+
+
+def test_send_task_messages_are_registered_at_first_sight(store: Store, journal: Journal) -> None:
+    app = make_app(store)
+    name = unique()
+
+    @app.task(base=SingletonTask, singleton={"key": "k"}, name=name, shared=False)
+    def job(label: str) -> str:
+        with journal.body(label, "k"):
+            time.sleep(0.05)
+        return label
+
+    with worker(app):
+        results = [app.send_task(name, args=[f"r{i}"]) for i in range(3)]
+        assert sorted(r.get(interval=0.01, timeout=10) for r in results) == ["r0", "r1", "r2"]
+    assert journal.overlaps == []
+
+
+def test_malformed_singleton_attributes_fail_at_declaration() -> None:
+    app = make_app("memory://decl")
+    app.finalize()  # a finalized app creates the task class right away
+    with pytest.raises(SingletonConfigError, match="nope"):
+
+        @app.task(base=SingletonTask, singleton={"key": "{nope}"}, name=unique(), shared=False)
+        def templated(store_id: str) -> None: ...
+
+    for bad in (
+        {"key": "k", "limit": 0},
+        {"key": 42},
+        {"key": "k", "max_queue_depth": -1},
+        {"kee": "k"},
+        "k",
+    ):
+        with pytest.raises(SingletonConfigError):
+
+            @app.task(base=SingletonTask, singleton=bad, name=unique(), shared=False)
+            def bad_task(store_id: str) -> None: ...
+
+    def lazy_templated(store_id: str) -> None: ...
+
+    lazy = make_app("memory://decl")
+    lazy.task(base=SingletonTask, singleton={"key": "{nope}"}, name=unique(), shared=False)(lazy_templated)
+    with pytest.raises(SingletonConfigError):
+        lazy.finalize()  # the per-task class is made here, before any worker runs anything
+
+
+def test_singleton_config_object_and_bound_tasks_are_accepted() -> None:
+    app = make_app("memory://decl")
+
+    @app.task(
+        base=SingletonTask, singleton=SingletonConfig(key="{a}-{b}"), bind=True, name=unique(), shared=False
+    )
+    def bound(self: Any, a: int, b: int = 2) -> int:
+        return a + b
+
+    binding = type(bound._get_current_object())._singleton_bound
+    assert binding is not None and binding.derive_key((1,), {}) == "1-2"
+
+
+# -- acks defaults (SPEC §6) ---------------------------------------------------------------------
+def test_acks_late_defaults_and_a_warning_when_overridden() -> None:
+    app = make_app("memory://acks")
+
+    @app.task(base=SingletonTask, singleton={"key": "k"}, name=unique(), shared=False)
+    def safe() -> None: ...
+
+    assert safe.acks_late is True and safe.reject_on_worker_lost is True
+    with pytest.warns(UserWarning, match="acks_late=False"):
+
+        @app.task(base=SingletonTask, singleton={"key": "k"}, name=unique(), shared=False, acks_late=False)
+        def unsafe() -> None: ...
+
+        assert unsafe.acks_late is False
+
+
+# -- @singleton stacked on existing tasks ----------------------------------------------------------
+def test_singleton_decorator_on_app_task(store: Store, journal: Journal) -> None:
+    app = make_app(store)
+
+    @singleton(key="acct:{account}", limit=1)
+    @app.task(name=unique())
+    def generate_statement(account: str, label: str) -> str:
+        with journal.body(label, account):
+            time.sleep(0.05)
+        return label
+
+    with worker(app):
+        results = [generate_statement.delay("A", f"r{i}") for i in range(3)]
+        assert [r.get(interval=0.01, timeout=10) for r in results] == ["r0", "r1", "r2"]
+    task = app.tasks[generate_statement.name]
+    assert isinstance(task, SingletonTask) and task.acks_late is True
+    assert journal.overlaps == [] and journal.labels() == ["r0", "r1", "r2"]
+
+
+def test_singleton_decorator_on_a_finalized_app_task_and_bind(store: Store, journal: Journal) -> None:
+    app = make_app(store)
+    app.finalize()
+
+    @singleton(key="{account}", max_queue_depth=0)
+    @app.task(name=unique(), bind=True, shared=False)
+    def statement(self: Any, account: str) -> str:
+        with journal.body(account, account):
+            time.sleep(0.3)
+        return self.request.id  # type: ignore[no-any-return]
+
+    assert isinstance(statement, SingletonTask)
+    first = statement.delay("A")
+    with pytest.raises(SingletonQueueFullError):
+        statement.delay("A")
+    with worker(app):
+        assert first.get(interval=0.01, timeout=10) == first.id
+
+
+def test_singleton_decorator_validates_at_declaration_even_on_a_promise() -> None:
+    app = make_app("memory://decl")
+    with pytest.raises(SingletonConfigError, match="nope"):
+
+        @singleton(key="{nope}")
+        @app.task(name=unique(), shared=False)
+        def task(account: str) -> None: ...
+
+    app2 = make_app("memory://decl")
+
+    @app2.task(base=SingletonTask, singleton={"key": "k"}, name=unique(), shared=False)
+    def already(account: str) -> None: ...
+
+    with pytest.raises(SingletonConfigError, match="already a singleton"):
+        singleton(key="k")(already._get_current_object())
+
+
+def test_singleton_decorator_on_shared_task(store_factory: StoreFactory, journal: Journal) -> None:
+    name = unique("shared")
+
+    @singleton(key="{account}")
+    @shared_task(name=name)
+    def shared_statement(account: str, label: str) -> str:
+        with journal.body(label, account):
+            time.sleep(0.05)
+        return label
+
+    app = make_app(store_factory())
+    app.finalize()  # shared tasks are created per app at finalization
+    task = app.tasks[name]
+    assert isinstance(task, SingletonTask)
+    with worker(app):
+        results = [task.delay("A", f"r{i}") for i in range(3)]
+        assert [r.get(interval=0.01, timeout=10) for r in results] == ["r0", "r1", "r2"]
+    assert journal.overlaps == [] and journal.labels() == ["r0", "r1", "r2"]
+
+
+def test_singleton_decorator_refuses_what_it_cannot_handle() -> None:
+    from celery import Task
+    from celery.local import Proxy
+
+    class ClassBased(Task):  # type: ignore[misc]
+        def run(self, x: int) -> int:
+            return x
+
+    with pytest.raises(SingletonConfigError, match="task class"):
+        singleton(key="k")(ClassBased)
+    with pytest.raises(SingletonConfigError, match="not a shared task"):
+        singleton(key="k")(Proxy(lambda: object()))
+
+
+# -- generations --------------------------------------------------------------------------------
+def test_a_stale_copy_is_dropped_and_never_runs(store: Store, journal: Journal) -> None:
+    app = make_app(store)
+    name = unique()
+
+    @app.task(base=SingletonTask, singleton={"key": "k"}, name=name, shared=False)
+    def job(label: str) -> str:
+        with journal.body(label, "k"):
+            pass
+        return label
+
+    with worker(app):
+        result = job.delay("once")
+        assert result.get(interval=0.01, timeout=10) == "once"
+        wait_for(lambda: runs_of(store) == [], what="the run to settle")
+        # A copy with a generation that was never live (an old deferral) arrives late.
+        app.send_task(name, args=("once",), task_id=result.id, headers={GENERATION_HEADER: 7})
+        time.sleep(0.3)
+    assert journal.labels() == ["once"]
+    assert runs_of(store) == []
+
+
+def test_without_install_the_app_conf_store_is_used(tmp_path: Path) -> None:
+    app = make_app()
+    app.conf.singleton_store = f"sqlite:///{tmp_path / 'conf.db'}"
+
+    @app.task(base=SingletonTask, singleton={"key": "k"}, name=unique(), shared=False)
+    def job() -> None: ...
+
+    job.delay()
+    assert gatekeeper_for(app).store.url == f"sqlite:///{tmp_path / 'conf.db'}"
+    assert len(runs_of(gatekeeper_for(app).store)) == 1
+    gatekeeper_for(app).close()
+
+
+def test_without_any_store_the_embedded_default_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from singleton_tasks import runtime
+
+    monkeypatch.setattr(runtime, "_default_warned", False)
+    monkeypatch.delenv(runtime.STORE_ENV, raising=False)
+    monkeypatch.setattr(runtime, "default_store_url", lambda: "memory://default-store")
+    app = make_app()
+
+    @app.task(base=SingletonTask, singleton={"key": "k"}, name=unique(), shared=False)
+    def job() -> None: ...
+
+    with pytest.warns(UserWarning, match="no store configured"):
+        job.delay()
+    app2 = make_app()
+    app2.task(base=SingletonTask, singleton={"key": "k"}, name=unique(), shared=False)(noop)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gatekeeper_for(app2).store  # noqa: B018 — the warning is given once per process
+    assert os.environ.get(runtime.STORE_ENV) is None
+
+
+def test_user_ignore_in_the_body_settles_the_run(store: Store) -> None:
+    app = make_app(store)
+
+    @app.task(base=SingletonTask, singleton={"key": "k"}, name=unique(), shared=False)
+    def skipper() -> None:
+        raise Ignore()
+
+    with worker(app):
+        skipper.delay()
+        wait_for(lambda: runs_of(store) == [], what="the ignored run to settle")
+
+
+# -- prefork ------------------------------------------------------------------------------------------
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_pool_process_heartbeats_with_its_own_thread() -> None:
+    from singleton_tasks.outcomes import HolderRef
+    from singleton_tasks.runtime import Gatekeeper
+
+    gatekeeper = Gatekeeper(store_from_url("memory://fork"), heartbeat_interval=0.05)
+    ref = HolderRef("scope", "key", "run", 1)
+    parent = gatekeeper.heartbeats
+    parent.track(ref)  # the parent's heartbeat thread runs
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: what a prefork pool process sees
+        try:
+            child = gatekeeper.heartbeats
+            child.track(ref)
+            thread = child._thread
+            ok = child is not parent and thread is not None and thread.is_alive()
+            os.write(write, b"1" if ok else b"0")
+        finally:
+            os._exit(0)
+    os.close(write)
+    try:
+        assert os.read(read, 1) == b"1"
+    finally:
+        os.close(read)
+        os.waitpid(pid, 0)
+        gatekeeper.close()
