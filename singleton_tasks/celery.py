@@ -47,6 +47,8 @@ logger = logging.getLogger("singleton_tasks")
 
 #: Message header naming the generation of a copy the library published (absent: 0).
 GENERATION_HEADER = "singleton_gen"
+#: When a wake copy was published (the handoff-latency metric).
+WOKEN_AT_HEADER = "singleton_woken_at"
 _APP_GATEKEEPER = "_singleton_gatekeeper"
 _APP_SETTINGS = "_singleton_settings"
 _gatekeeper_lock = threading.Lock()
@@ -259,7 +261,13 @@ class SingletonTask(Task):  # type: ignore[misc]
         gatekeeper = gatekeeper_for(self._get_app())
         delivery.spec = spec = gatekeeper.spec(bound, task_id, tuple(args or ()), dict(kwargs or {}))
         try:
-            outcome = gatekeeper.claim(self.name, spec, delivery.generation, _payload_of(self, request))
+            outcome = gatekeeper.claim(
+                self.name,
+                spec,
+                delivery.generation,
+                _payload_of(self, request),
+                woken_at=_woken_at(request),
+            )
         except StoreUnavailableError:
             logger.warning(
                 "store unavailable at the gate: %s run %s deferred", self.name, task_id, exc_info=True
@@ -282,7 +290,7 @@ class SingletonTask(Task):  # type: ignore[misc]
 
     def _defer(self, request: Any, generation: int, delay: float) -> NoReturn:
         """Re-publish this delivery (same id, retries, links, routing) ``delay`` s later; then Ignore."""
-        headers = {**(request.headers or {}), GENERATION_HEADER: generation}
+        headers = {**(request.headers or {}), GENERATION_HEADER: generation, WOKEN_AT_HEADER: None}
         signature = self.signature_from_request(
             request, countdown=delay, retries=request.retries, headers=headers
         )
@@ -426,6 +434,11 @@ def _generation_of(request: Any) -> int:
         return 0
 
 
+def _woken_at(request: Any) -> float | None:
+    value = (request.headers or {}).get(WOKEN_AT_HEADER, getattr(request, WOKEN_AT_HEADER, None))
+    return float(value) if isinstance(value, (int, float)) else None
+
+
 def _payload_of(task: SingletonTask, request: Any) -> bytes | None:
     """The delivery as a signature, so any process can re-publish it when it is woken."""
     try:
@@ -452,7 +465,11 @@ def _publish_wakes(app: Celery, wakes: Iterable[Wake]) -> None:
             options = signature.options
             for timing in ("countdown", "eta"):
                 options.pop(timing, None)
-            options["headers"] = {**(options.get("headers") or {}), GENERATION_HEADER: wake.generation}
+            options["headers"] = {
+                **(options.get("headers") or {}),
+                GENERATION_HEADER: wake.generation,
+                WOKEN_AT_HEADER: clock.now(),
+            }
             with _republish():
                 signature.apply_async()
             logger.debug("woke run %s of key %r (generation %s)", wake.run_id, wake.key, wake.generation)

@@ -28,7 +28,7 @@ import dramatiq
 from dramatiq.middleware import MiddlewareError, SkipMessage
 from dramatiq.worker import ConsumerThread
 
-from . import admission
+from . import admission, clock
 from . import errors as core
 from .config import BoundSingleton, SingletonConfig
 from .decorator import TaskDescription, register_describer
@@ -48,6 +48,8 @@ logger = logging.getLogger("singleton_tasks")
 OPTION = "singleton"
 #: The generation of a copy; present on every message the library has seen (absent = 0).
 GENERATION = "singleton_gen"
+#: When a wake copy was published (the handoff-latency metric).
+WOKEN_AT = "singleton_woken_at"
 #: Generation put on a duplicate start of a registered run id: never live, so the copy is dropped.
 _DEAD_GENERATION = -1
 
@@ -264,7 +266,14 @@ class SingletonMiddleware(dramatiq.Middleware):
         delivery.spec = spec
         payload = message.copy().encode()
         try:
-            outcome = self.gatekeeper.claim(bound.task_name, spec, generation, payload)
+            outcome = self.gatekeeper.claim(
+                bound.task_name,
+                spec,
+                generation,
+                payload,
+                registered_at=message.message_timestamp / 1000,
+                woken_at=message.options.get(WOKEN_AT),
+            )
         except Exception as error:  # fail closed: a body never runs without its slot
             log = logger.warning if isinstance(error, core.StoreUnavailableError) else logger.exception
             log("%s run %s: gate failed (%s); deferring", bound.task_name, spec.run_id, error)
@@ -292,7 +301,7 @@ class SingletonMiddleware(dramatiq.Middleware):
 
     def _defer(self, broker: Broker, message: MessageProxy, generation: int, delay: float) -> None:
         """Publish the delayed copy that re-checks this run, then keep Results off this delivery."""
-        copy = message.copy(options={GENERATION: generation})
+        copy = message.copy(options={GENERATION: generation, WOKEN_AT: None})
         try:
             broker.enqueue(copy, delay=max(0, round(delay * 1000)))
         except Exception as error:
@@ -307,7 +316,9 @@ class SingletonMiddleware(dramatiq.Middleware):
             if wake.payload is None:
                 continue  # never delivered yet: its own message is on its way
             try:
-                woken = dramatiq.Message.decode(wake.payload).copy(options={GENERATION: wake.generation})
+                woken = dramatiq.Message.decode(wake.payload).copy(
+                    options={GENERATION: wake.generation, WOKEN_AT: clock.now()}
+                )
                 broker.enqueue(woken)
             except Exception:  # its delayed copy re-checks it anyway
                 logger.exception("waking run %s of key %r failed; its timer re-checks", wake.run_id, wake.key)

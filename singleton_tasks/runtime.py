@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from . import clock
+from . import clock, metrics
 from .config import DISABLED, BoundSingleton
 from .errors import SingletonQueueFullError
 from .outcomes import (
@@ -158,6 +158,7 @@ class Gatekeeper:
         """Enqueue: register a pending waiter or raise ``full_error`` (StoreUnavailableError passes)."""
         outcome = self.store.register(spec, now=clock.now(), confirmed=confirmed)
         if outcome.status is Registered.FULL:
+            metrics.observe_rejected(bound.task_name)
             logger.info("rejected %s run %s: key %r is full", bound.task_name, spec.run_id, spec.key)
             raise full_error(
                 task_name=bound.task_name,
@@ -174,10 +175,22 @@ class Gatekeeper:
     def unregister(self, spec: RunSpec) -> None:
         self.store.unregister(spec.scope, spec.key, spec.run_id, now=clock.now())
 
-    def claim(self, task_name: str, spec: RunSpec, generation: int, payload: bytes | None) -> ClaimOutcome:
+    def claim(
+        self,
+        task_name: str,
+        spec: RunSpec,
+        generation: int,
+        payload: bytes | None,
+        *,
+        registered_at: float | None = None,
+        woken_at: float | None = None,
+    ) -> ClaimOutcome:
         """Gate: decide one delivery; the caller runs, defers or drops accordingly."""
-        outcome = self.store.claim(spec, generation, payload, now=clock.now())
+        now = clock.now()
+        outcome = self.store.claim(spec, generation, payload, now=now)
         self._log_evictions(outcome.evicted, spec)
+        metrics.observe_claim(task_name, outcome, now=now, registered_at=registered_at, woken_at=woken_at)
+        metrics.observe_woken(task_name, len(outcome.wakes))
         if outcome.decision is Decision.ADMITTED:
             if outcome.takeover:
                 logger.warning(
@@ -216,6 +229,8 @@ class Gatekeeper:
             spec.scope, spec.key, spec.run_id, token=token, generation=generation, now=clock.now()
         )
         self._log_evictions(outcome.evicted, spec)
+        metrics.observe_release(task_name, outcome)
+        metrics.observe_woken(task_name, len(outcome.wakes))
         if outcome.lost:
             logger.error(
                 "%s run %s lost its slot of key %r (token %s): another owner holds it; "

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,7 +14,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from singleton_tasks import metrics
+from singleton_tasks import SingletonQueueFullError, metrics
 from singleton_tasks.outcomes import ClaimOutcome, Decision, Registered, ReleaseOutcome, RunSpec
 from singleton_tasks.stores.memory import MemoryStore
 
@@ -140,7 +142,7 @@ def test_metrics_join_the_multiprocess_exposition_of_dramatiqs_prometheus(tmp_pa
     worker = textwrap.dedent(
         """
         import os, sys
-        from singleton_tasks import metrics
+        from singleton_tasks import SingletonQueueFullError, metrics
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = sys.argv[1]  # what after_process_boot does
         metrics.observe_admitted("inv.sync", now=5.0, registered_at=2.0)
         metrics.observe_gated("inv.sync")
@@ -164,3 +166,54 @@ def test_metrics_join_the_multiprocess_exposition_of_dramatiqs_prometheus(tmp_pa
     assert 'singleton_tasks_admitted_total{task="inv.sync"} 1.0' in text
     assert 'singleton_tasks_gated_total{task="inv.sync"} 1.0' in text
     assert 'singleton_tasks_wait_seconds_sum{task="inv.sync"} 3.0' in text
+
+
+def test_dramatiq_adapter_reports_through_the_hooks(registry: CollectorRegistry, tmp_path: Path) -> None:
+    import dramatiq
+    from dramatiq.brokers.stub import StubBroker
+
+    from singleton_tasks.dramatiq import SingletonMiddleware
+
+    broker = StubBroker()
+    broker.add_middleware(SingletonMiddleware(store=f"sqlite:///{tmp_path / 'm.db'}", retry_delay=30.0))
+    broker.emit_after("process_boot")
+    started = threading.Event()
+    gate = threading.Event()
+    second_done = threading.Event()
+
+    @dramatiq.actor(broker=broker, actor_name="metrics_sync", singleton={"key": "k", "max_queue_depth": 1})
+    def metrics_sync(first: bool) -> None:
+        if first:
+            started.set()
+            gate.wait(10)
+        else:
+            second_done.set()
+
+    metrics_sync.send(True)
+    metrics_sync.send(False)
+    with pytest.raises(SingletonQueueFullError):
+        metrics_sync.send(False)
+    worker = dramatiq.Worker(broker, worker_threads=2, worker_timeout=20)
+    worker.start()
+    try:
+        assert started.wait(10)
+        # The second run is gated behind the first.
+        deadline = time.monotonic() + 10
+        while value(registry, "singleton_tasks_gated_total", "metrics_sync") < 1:
+            assert time.monotonic() < deadline, "the second run was never gated"
+            time.sleep(0.01)
+        gate.set()
+        # The deferred copy's 30 s timer is still pending: only the wake can finish in time.
+        assert second_done.wait(10)
+        deadline = time.monotonic() + 10
+        while value(registry, "singleton_tasks_released_total", "metrics_sync") < 2:
+            assert time.monotonic() < deadline, "the second run never settled"
+            time.sleep(0.01)
+    finally:
+        worker.stop()
+    assert value(registry, "singleton_tasks_admitted_total", "metrics_sync") == 2
+    assert value(registry, "singleton_tasks_rejected_total", "metrics_sync") == 1
+    assert value(registry, "singleton_tasks_woken_total", "metrics_sync") == 1
+    assert value(registry, "singleton_tasks_released_total", "metrics_sync") == 2
+    assert value(registry, "singleton_tasks_handoff_seconds_count", "metrics_sync") == 1
+    assert value(registry, "singleton_tasks_wait_seconds_count", "metrics_sync") == 2
