@@ -66,3 +66,11 @@ def test_django_settings_snippet_builds_a_broker_the_way_django_dramatiq_does() 
     assert "singleton" in broker.actor_options
     # The dotted-path form builds too, reading its store from the environment.
     assert isinstance(load_middleware("singleton_tasks.dramatiq.SingletonMiddleware"), SingletonMiddleware)
+
+
+def test_celery_example_on_the_embedded_store(tmp_path: Path) -> None:
+    out = run_example("celery_sync_inventory.py", tmp_path, SINGLETON_RETRY_DELAY="0.2")
+    assert "refused: shop.sync_inventory: the queue of key 'store:A'" in out
+    tokens = [int(t) for t in re.findall(r"syncing store A \(fencing token (\d+)\)", out)]
+    assert tokens == [1, 2, 3]
+    assert "done: ['A', 'A', 'A', 'B', 'statement for 42'], 1 refused" in out
