@@ -423,6 +423,8 @@ def test_revoke_of_a_waiter_and_of_a_retrying_holder(store: Store, journal: Jour
         after = job.delay("after")
         time.sleep(0.2)  # the waiter is delivered and gated
         waiter.revoke()
+        # Revocation reaches the worker asynchronously (its control channel): let it land first.
+        wait_for(lambda: waiter.id in worker_state.revoked, what="the revoke to reach the worker")
         gate_open.set()
         assert holder.get(interval=0.01, timeout=10) == "holder"
         assert after.get(interval=0.01, timeout=10) == "after"  # the revoked waiter freed its place
@@ -434,6 +436,7 @@ def test_revoke_of_a_waiter_and_of_a_retrying_holder(store: Store, journal: Jour
         next_run = job.delay("next")
         time.sleep(0.1)
         retrier.revoke()  # a holder waiting for its retry: its retry copy is revoked
+        wait_for(lambda: retrier.id in worker_state.revoked, what="the revoke to reach the worker")
         assert next_run.get(interval=0.01, timeout=10) == "next"
     assert journal.overlaps == []
     wait_for(lambda: runs_of(store) == [], what="the store to empty")
