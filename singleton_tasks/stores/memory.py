@@ -118,10 +118,12 @@ class _MemoryTransaction(KeyTransaction):
 
     def mark_settled(self, run_id: str, generation: int, expires_at: float, now: float) -> None:
         settled = self._data.settled
-        for other, (_gen, expires) in list(settled.items()):  # expired markers go here
-            if expires <= now:
-                self.clear_settled(other)
-        previous = settled.get(run_id)
+        # Markers are inserted in expiry order (one TTL per store): drop expired ones from the front.
+        for other, (_gen, expires) in list(settled.items()):
+            if expires > now:
+                break
+            self.clear_settled(other)
+        previous = settled.pop(run_id, None)
         self._undo.append(lambda: self._restore_settled(run_id, previous))
         settled[run_id] = (generation, expires_at)
 

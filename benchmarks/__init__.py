@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m benchmarks --help``. Side-by-side cases against plain Dramatiq/Celery (issue 6)."""

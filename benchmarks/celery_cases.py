@@ -1,0 +1,171 @@
+"""Celery cases (8): an embedded threads-pool worker (1 process × 8 threads) on real Redis / RabbitMQ."""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from celery import Celery
+from celery.contrib.testing.worker import start_worker
+
+from singleton_tasks.celery import SingletonTask, install
+
+from .common import (
+    BROKER_REDIS_URL,
+    RABBITMQ_URL,
+    STORE_REDIS_URL,
+    THREADS,
+    Report,
+    Row,
+    Size,
+    alternate,
+    flush_redis,
+    unique,
+)
+from .dramatiq_cases import Recorder, Span, is_fifo, overlaps
+
+BROKERS = {"redis": "Redis", "rabbitmq": "RabbitMQ"}
+
+
+def _app(kind: str, singleton: bool) -> Celery:
+    url = BROKER_REDIS_URL if kind == "redis" else RABBITMQ_URL.rstrip("/") + "//"
+    app = Celery(unique("bench"), broker=url, set_as_current=False)
+    app.conf.update(
+        task_ignore_result=True,
+        task_default_queue=unique("q"),
+        worker_hijack_root_logger=False,
+        broker_connection_retry_on_startup=True,
+        worker_prefetch_multiplier=4,
+    )
+    if singleton:
+        install(app, STORE_REDIS_URL, namespace=unique("ns"))
+    return app
+
+
+class Rig:
+    def __init__(self, kind: str, singleton: bool, expected: int, *, key: str | None, body: float) -> None:
+        self.kind = kind
+        self.app = _app(kind, singleton)
+        self.recorder = Recorder(expected)
+        recorder = self.recorder
+
+        def run(i: int) -> None:
+            with recorder.body(i):
+                if body:
+                    time.sleep(body)
+
+        options: dict[str, Any] = {"name": unique("task"), "shared": False}
+        if singleton:
+            options.update(base=SingletonTask, singleton={"key": key if key is not None else "k:{i}"})
+        self.task = self.app.task(**options)(run)
+
+    def send(self, n: int) -> None:
+        for i in range(n):
+            self.task.delay(i)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            with self.app.connection_for_write() as conn:
+                conn.default_channel.queue_purge(self.app.conf.task_default_queue)
+                if self.kind == "rabbitmq":
+                    conn.default_channel.queue_delete(self.app.conf.task_default_queue)
+        if self.kind == "redis":
+            flush_redis(BROKER_REDIS_URL)
+        flush_redis(STORE_REDIS_URL)
+
+
+@contextlib.contextmanager
+def _worker(rig: Rig) -> Iterator[None]:
+    with start_worker(
+        rig.app,
+        pool="threads",
+        concurrency=THREADS,
+        perform_ping_check=False,
+        shutdown_timeout=30,
+        loglevel="CRITICAL",
+    ):
+        yield
+
+
+def _measure(kind: str, singleton: bool, n: int, *, key: str | None, body: float, cap: float) -> list[Span]:
+    """Pre-fill the queue, start the worker; returns the body spans (first start → last end is timed)."""
+    rig = Rig(kind, singleton, n, key=key, body=body)
+    try:
+        rig.send(n)
+        with _worker(rig):
+            if not rig.recorder.done.wait(cap):
+                raise RuntimeError(f"celery: only {len(rig.recorder.spans)}/{n} bodies ran in {cap:.0f} s")
+        return rig.recorder.ordered()
+    finally:
+        rig.close()
+
+
+def case_celery(report: Report, size: Size, runs: int, kinds: list[str]) -> None:
+    for kind in kinds:
+        _celery(report, size, runs, kind)
+
+
+def _celery(report: Report, size: Size, runs: int, kind: str) -> None:
+    n = size.celery_noop
+
+    def noop(singleton: bool) -> float:
+        spans = _measure(kind, singleton, n, key=None, body=0.0, cap=300)
+        return (n - 1) / (spans[-1].end - spans[0].start)
+
+    results = alternate(runs, [("plain", lambda: noop(False)), ("singleton", lambda: noop(True))])
+    case = f"8 Celery no-op ×{n:,}, distinct keys, {BROKERS[kind]} broker"
+    report.add(Row(case, "plain Celery", "runs/s", results["plain"], key=f"celery.{kind}.noop.plain"))
+    report.add(
+        Row(
+            case,
+            "SingletonTask",
+            "runs/s",
+            results["singleton"],
+            baseline="plain Celery",
+            key=f"celery.{kind}.noop.singleton",
+        )
+    )
+    ratio = statistics.median(results["singleton"]) / statistics.median(results["plain"])
+    report.target("8", f"Celery no-op on {BROKERS[kind]}: ≥ 0.80× plain", f"{ratio:.2f}×", ratio >= 0.8)
+
+    b, body = size.celery_burst, size.burst_body
+    ideal = b * body
+    fifo: list[bool] = []
+    overlap_counts: list[int] = []
+
+    def burst(singleton: bool) -> float:
+        spans = _measure(kind, singleton, b, key="burst", body=body, cap=120)
+        if singleton:
+            fifo.append(is_fifo(spans))
+            overlap_counts.append(overlaps(spans))
+        return spans[-1].end - spans[0].start
+
+    # Plain Celery runs the burst 8 at a time (no mutex): shown for the cost of the worker alone.
+    results = alternate(runs, [("plain", lambda: burst(False)), ("singleton", lambda: burst(True))])
+    case = f"8 Celery burst {b}×{body * 1000:.0f} ms, one key, {BROKERS[kind]} broker"
+    report.add(Row(case, "ideal", "s", [ideal], note="n × body (serial)"))
+    report.add(
+        Row(case, "plain Celery (no mutex, 8 in parallel)", "s", results["plain"], higher_is_better=False)
+    )
+    report.add(
+        Row(
+            case,
+            "SingletonTask",
+            "s",
+            results["singleton"],
+            baseline="ideal",
+            higher_is_better=False,
+            key=f"celery.{kind}.burst.singleton",
+            note=f"FIFO {sum(fifo)}/{len(fifo)} runs, overlaps {sum(overlap_counts)}",
+        )
+    )
+    ratio = statistics.median(results["singleton"]) / ideal
+    report.target(
+        "8",
+        f"Celery burst on {BROKERS[kind]}: ≤ 1.15× ideal, FIFO, 0 overlaps",
+        f"{ratio:.2f}×, FIFO {sum(fifo)}/{len(fifo)}, overlaps {sum(overlap_counts)}",
+        ratio <= 1.15 and all(fifo) and not any(overlap_counts),
+    )

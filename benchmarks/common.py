@@ -1,0 +1,265 @@
+"""What every case shares: sizes, server URLs, the result model, statistics and the printed table."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+# Dedicated databases: the benchmark flushes them between runs (the test suite uses 13–15).
+BROKER_REDIS_URL = os.environ.get("BENCH_BROKER_REDIS_URL", "redis://127.0.0.1:6379/12")
+STORE_REDIS_URL = os.environ.get("BENCH_STORE_REDIS_URL", "redis://127.0.0.1:6379/11")
+RABBITMQ_URL = os.environ.get("BENCH_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672")
+POSTGRES_URL = os.environ.get("BENCH_POSTGRES_URL", "postgresql://127.0.0.1:5432/test")
+
+THREADS = 8  # one worker process × 8 threads (the issue's setting)
+
+
+@dataclass(frozen=True)
+class Size:
+    name: str
+    noop: int  # case 1: no-op runs per run
+    burst: int  # case 2: runs in the same-key burst
+    burst_body: float  # seconds per burst body
+    baseline_cap: float  # case 2: the ConcurrentRateLimiter + Retries baseline is stopped after this
+    handoffs: int  # case 3
+    round_trip_runs: int  # case 4
+    waiters_many: int  # case 5: the "10,000 waiters" side
+    admissions: int  # case 5: timed operations per side
+    pg_seconds: float  # case 6: seconds per side per run
+    hold: float  # case 7: the holder's body, seconds (60 at full size; shorter = scaled time)
+    celery_noop: int  # case 8
+    celery_burst: int
+
+
+SIZES = {
+    "small": Size("small", 300, 25, 0.02, 1.5, 50, 50, 2_000, 200, 0.5, 3.0, 200, 25),
+    "medium": Size("medium", 2_000, 50, 0.02, 15.0, 200, 200, 10_000, 500, 1.5, 12.0, 1_000, 50),
+    "full": Size("full", 5_000, 50, 0.02, 60.0, 500, 500, 10_000, 1_000, 3.0, 60.0, 5_000, 50),
+}
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+def quiet_framework_logs() -> None:
+    """Retries, skips and rate-limit failures log per message: noise that costs time, not signal."""
+    for name in ("dramatiq", "celery", "kombu", "pika", "amqp", "singleton_tasks"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def flush_redis(url: str) -> None:
+    client = redis.Redis.from_url(url)
+    try:
+        client.flushdb()
+    finally:
+        client.close()
+
+
+def reachable(url: str, default_port: int) -> bool:
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    try:
+        with socket.create_connection((parts.hostname or "127.0.0.1", parts.port or default_port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+@contextmanager
+def private_redis() -> Iterator[tuple[str, bool]]:
+    """A throw-away redis-server (its INFO counts only our commands); the shared one if none is installed.
+
+    Yields ``(url, private)``.
+    """
+    binary = shutil.which("redis-server")
+    if binary is None:
+        yield STORE_REDIS_URL, False
+        return
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    workdir = tempfile.mkdtemp(prefix="bench-redis-")
+    proc = subprocess.Popen(
+        [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            workdir,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        url = f"redis://127.0.0.1:{port}/0"
+        deadline = time.monotonic() + 10
+        while not reachable(url, port):
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError("private redis-server did not start")
+            time.sleep(0.02)
+        yield url, True
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+# -- results ---------------------------------------------------------------------------------
+@dataclass
+class Row:
+    """One measured variant: its per-run values (or per-operation samples)."""
+
+    case: str
+    variant: str
+    unit: str
+    values: list[float]
+    baseline: str | None = None  # the variant of the same case this row is compared with
+    higher_is_better: bool = True
+    note: str = ""
+    text: str | None = None  # shown instead of the median (e.g. "did not finish")
+    key: str = ""  # a stable handle for targets and plots
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.values) if self.values else math.nan
+
+
+@dataclass
+class Target:
+    case: str
+    goal: str
+    measured: str
+    passed: bool | None  # None: not measured (skipped)
+    why: str = ""
+
+
+@dataclass
+class Report:
+    rows: list[Row] = field(default_factory=list)
+    targets: list[Target] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    plots: dict[str, Any] = field(default_factory=dict)  # data for --plot
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, row: Row) -> Row:
+        self.rows.append(row)
+        return row
+
+    def row(self, key: str) -> Row | None:
+        return next((r for r in self.rows if r.key == key), None)
+
+    def target(self, case: str, goal: str, measured: str, passed: bool | None, why: str = "") -> None:
+        self.targets.append(Target(case, goal, measured, passed, why))
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile, q in [0, 100]."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def fmt(value: float) -> str:
+    if math.isnan(value):
+        return "—"
+    if value == 0:
+        return "0"
+    magnitude = abs(value)
+    if magnitude >= 1000:
+        return f"{value:,.0f}"
+    if magnitude >= 100:
+        return f"{value:.0f}"
+    if magnitude >= 10:
+        return f"{value:.1f}"
+    if magnitude >= 1:
+        return f"{value:.2f}"
+    return f"{value:.3f}"
+
+
+def render(report: Report, header: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=200)
+    table = Table(title=header, show_lines=False)
+    for name, justify in (
+        ("case", "left"),
+        ("variant", "left"),
+        ("median", "right"),
+        ("min–max", "right"),
+        ("unit", "left"),
+        ("n", "right"),
+        ("vs baseline", "right"),
+        ("note", "left"),
+    ):
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    by_key = {(r.case, r.variant): r for r in report.rows}
+    for row in report.rows:
+        ratio = ""
+        base = by_key.get((row.case, row.baseline)) if row.baseline else None
+        if base is not None and row.values and base.values and base.median:
+            ratio = f"{row.median / base.median:.2f}×"
+        elif row.baseline and base is not None and base.text:
+            ratio = f"vs {base.text}"
+        median = row.text if row.text is not None else fmt(row.median)
+        spread = f"{fmt(min(row.values))}–{fmt(max(row.values))}" if row.values else ""
+        table.add_row(row.case, row.variant, median, spread, row.unit, str(len(row.values)), ratio, row.note)
+    console.print(table)
+    targets = Table(title="Targets")
+    for name in ("case", "target", "measured", "result", "why / note"):
+        targets.add_column(name)
+    for t in report.targets:
+        result = "skipped" if t.passed is None else ("PASS" if t.passed else "MISS")
+        targets.add_row(t.case, t.goal, t.measured, result, t.why)
+    console.print(targets)
+    for note in report.notes:
+        console.print(f"• {note}", soft_wrap=True)
+
+
+def alternate(
+    runs: int, variants: Sequence[tuple[str, Callable[[], float | None]]]
+) -> dict[str, list[float]]:
+    """Run the variants in turn, ``runs`` times each (baseline and subject interleaved)."""
+    out: dict[str, list[float]] = {name: [] for name, _ in variants}
+    for _ in range(runs):
+        for name, fn in variants:
+            value = fn()
+            if value is not None:
+                out[name].append(value)
+    return out
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, interval: float = 0.01) -> bool:
+    """Benchmark-side polling only (the library never polls)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval)
+    return True
