@@ -47,13 +47,13 @@ class SingletonQueueFullError(SingletonError):
 
     def __reduce__(self) -> tuple[object, ...]:
         # Keyword-only __init__: teach pickle (Celery results, prefork) to rebuild it.
-        return (_rebuild_queue_full, (type(self), self.__dict__.copy()))
+        return (_rebuild_queue_full, (type(self), self.__dict__.copy(), self.args))
 
 
 def _rebuild_queue_full(
-    cls: type[SingletonQueueFullError], state: dict[str, object]
+    cls: type[SingletonQueueFullError], state: dict[str, object], args: tuple[object, ...]
 ) -> SingletonQueueFullError:
     error = cls.__new__(cls)
-    Exception.__init__(error, str(state))
+    Exception.__init__(error, *args)
     error.__dict__.update(state)
     return error

@@ -81,5 +81,14 @@ def store_factory(backend: str, tmp_path: Path) -> Iterator[StoreFactory]:
 
 
 @pytest.fixture
+def store_url(backend: str, tmp_path: Path) -> str:
+    """The URL of ``store_factory``'s server, for child processes that make their own stores.
+
+    (For memory:// every call names a new server: memory stores cannot cross processes.)
+    """
+    return backend_url(backend, tmp_path)
+
+
+@pytest.fixture
 def store(store_factory: StoreFactory) -> Store:
     return store_factory()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import re
 from collections.abc import Sequence
 from typing import ClassVar
 from urllib.parse import urlsplit, urlunsplit
@@ -26,15 +27,20 @@ from ..outcomes import (
 SCHEMA_VERSION = 1
 
 
+_LOOSE_USERINFO = re.compile(r":[^:@/\s]*@")  # ":password@" in a string that is no URL (a typo)
+_QUERY_PASSWORD = re.compile(r"(?i)([?&;]pass(?:word|wd)?=)[^&;#]*")  # libpq's ?password=
+
+
 def redact_url(url: str) -> str:
     """The URL with its password replaced by ``***`` (SPEC §8)."""
+    url = _QUERY_PASSWORD.sub(r"\1***", url)
     try:
         parts = urlsplit(url)
         password = parts.password
     except ValueError:
         return "<unparseable store url>"
     if password is None:
-        return url
+        return url if "://" in url else _LOOSE_USERINFO.sub(":***@", url)
     # Keep everything after the userinfo verbatim (an invalid port must not raise here).
     host_and_port = parts.netloc.rpartition("@")[2]
     netloc = f"{parts.username or ''}:***@{host_and_port}"

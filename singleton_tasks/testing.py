@@ -1,0 +1,832 @@
+"""The store contract suite: prove a :class:`~singleton_tasks.stores.base.Store` keeps the rules.
+
+Every bundled store runs this suite, and so can yours (SPEC §8). Subclass :class:`StoreContract`
+in a test module (the class name must start with ``Test`` for pytest to collect it) and provide
+a ``store_factory`` fixture: a callable ``store_factory(namespace=None, **options) -> Store``.
+Every call makes a new store object on the *same* server (so two stores of one namespace share
+their data); ``namespace=None`` means one namespace unique to the running test; ``options`` are
+passed to the store's constructor (the suite passes ``timings=Timings(...)``). The factory
+should create the schema (``store.migrate()``) and close its stores when the test ends::
+
+    # tests/test_my_store_contract.py
+    import itertools
+import uuid
+
+    import pytest
+
+    from singleton_tasks.testing import StoreContract
+    from my_package import MyStore
+
+
+    class TestMyStore(StoreContract):
+        @pytest.fixture
+        def store_factory(self):
+            url = "mystore://127.0.0.1:7000"
+            default = f"t{uuid.uuid4().hex[:12]}"
+            made = []
+
+            def make(namespace=None, **options):
+                store = MyStore(url, namespace=namespace or default, **options)
+                store.migrate()
+                made.append(store)
+                return store
+
+            yield make
+            for store in made:
+                store.close()
+
+The suite is deterministic: every operation gets an explicit ``now``; nothing sleeps. A store
+that can pretend another library version wrote its schema should offer
+``set_schema_version_for_tests(version)``; otherwise the schema-mismatch test is skipped.
+The one test that uses freezegun is skipped when freezegun is not installed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from collections.abc import Callable, Sequence
+
+import pytest
+
+from . import clock
+from .errors import SchemaVersionError
+from .gate import Timings
+from .outcomes import (
+    ClaimOutcome,
+    Decision,
+    HolderRef,
+    KeySnapshot,
+    Registered,
+    RunSpec,
+    RunState,
+    Wake,
+)
+from .stores.base import SCHEMA_VERSION, Store
+
+StoreFactory = Callable[..., Store]
+
+SCOPE = "contract.task"
+KEY = "key"
+T0 = 1_764_680_000.0  # a realistic epoch second; offsets below are exact binary fractions
+
+__all__ = ["StoreContract", "StoreFactory"]
+
+
+def spec(
+    run_id: str,
+    *,
+    key: str = KEY,
+    scope: str = SCOPE,
+    limit: int = 1,
+    depth: int | None = None,
+    lease: float = 60.0,
+    orphan: float | None = 600.0,
+) -> RunSpec:
+    return RunSpec(
+        scope=scope,
+        key=key,
+        run_id=run_id,
+        limit=limit,
+        max_queue_depth=depth,
+        lease=lease,
+        orphan_timeout=orphan,
+    )
+
+
+def one_key(store: Store, now: float, *, key: str = KEY, scope: str = SCOPE) -> KeySnapshot | None:
+    snaps = store.snapshot(now=now, scope=scope, key=key)
+    assert len(snaps) <= 1, snaps
+    if snaps:
+        assert (snaps[0].scope, snaps[0].key) == (scope, key)
+    return snaps[0] if snaps else None
+
+
+def holders(store: Store, now: float, *, key: str = KEY, scope: str = SCOPE) -> list[str]:
+    snap = one_key(store, now, key=key, scope=scope)
+    return [h.run_id for h in snap.holders] if snap else []
+
+
+def waiters(store: Store, now: float, *, key: str = KEY, scope: str = SCOPE) -> list[str]:
+    snap = one_key(store, now, key=key, scope=scope)
+    if snap is None:
+        return []
+    assert [w.position for w in snap.waiters] == list(range(1, len(snap.waiters) + 1))
+    return [w.run_id for w in snap.waiters]
+
+
+def registered(store: Store, run: RunSpec, now: float, *, confirmed: bool = True) -> None:
+    outcome = store.register(run, now=now, confirmed=confirmed)
+    assert outcome.status is Registered.REGISTERED, (run.run_id, outcome)
+
+
+def admitted(store: Store, run: RunSpec, generation: int, now: float, payload: bytes | None = None) -> int:
+    """Claim and require admission; returns the fencing token."""
+    outcome = store.claim(run, generation, payload, now=now)
+    assert outcome.decision is Decision.ADMITTED, (run.run_id, outcome)
+    assert isinstance(outcome.token, int) and outcome.token > 0
+    return outcome.token
+
+
+def gated(
+    store: Store,
+    run: RunSpec,
+    generation: int,
+    now: float,
+    payload: bytes | None = None,
+    *,
+    position: int | None = None,
+) -> ClaimOutcome:
+    """Claim and require a gating (at ``position`` if given); the outcome has the deferral generation."""
+    outcome = store.claim(run, generation, payload, now=now)
+    assert outcome.decision is Decision.GATED, (run.run_id, outcome)
+    assert outcome.generation is not None and outcome.generation != generation
+    if position is not None:
+        assert outcome.position == position, (run.run_id, outcome)
+    return outcome
+
+
+def stale(store: Store, run: RunSpec, generation: int, now: float) -> None:
+    outcome = store.claim(run, generation, None, now=now)
+    assert outcome.decision is Decision.STALE, (run.run_id, generation, outcome)
+    assert outcome.token is None
+
+
+def woken(wakes: Sequence[Wake]) -> list[str]:
+    return [w.run_id for w in wakes]
+
+
+def the_wake(wakes: Sequence[Wake], run_id: str) -> Wake:
+    assert woken(wakes) == [run_id], wakes
+    return wakes[0]
+
+
+class StoreContract:
+    """The contract every store keeps; subclass it and provide the ``store_factory`` fixture."""
+
+    # ---------------------------------------------------------------- order (SPEC §3.2)
+
+    @pytest.mark.parametrize("clock_kind", ["moving", "frozen"])
+    def test_fifo_by_registration_order(self, store_factory: StoreFactory, clock_kind: str) -> None:
+        store = store_factory()
+        runs = [spec(f"run-{i}") for i in range(5)]
+        times = [T0 + i if clock_kind == "moving" else T0 for i in range(5)]
+        for run, at in zip(runs, times, strict=True):
+            registered(store, run, at)
+        now = times[-1]
+        # Delivered last-registered first: each later one waits behind all earlier ones.
+        generations: dict[str, int] = {}
+        for i in range(4, 0, -1):
+            outcome = gated(store, runs[i], 0, now, f"payload-{i}".encode(), position=i + 1)
+            assert outcome.generation is not None
+            generations[runs[i].run_id] = outcome.generation
+        tokens = [admitted(store, runs[0], 0, now)]
+        assert holders(store, now) == ["run-0"]
+        assert waiters(store, now) == [f"run-{i}" for i in range(1, 5)]
+        # Each release hands the slot to the next in registration order, and only to it.
+        for i in range(1, 5):
+            release = store.release(SCOPE, KEY, runs[i - 1].run_id, token=tokens[-1], now=now)
+            assert release.released and not release.lost
+            wake = the_wake(release.wakes, runs[i].run_id)
+            assert wake.payload == f"payload-{i}".encode()
+            assert wake.generation != generations[runs[i].run_id]
+            tokens.append(admitted(store, runs[i], wake.generation, now))
+        assert tokens == sorted(set(tokens))
+        assert store.release(SCOPE, KEY, "run-4", token=tokens[-1], now=now).released
+        assert store.snapshot(now=now) == []
+
+    def test_order_is_registration_order_not_clock_or_run_id(self, store_factory: StoreFactory) -> None:
+        store = store_factory()
+        zz, aa, late = spec("zz"), spec("aa"), spec("00")
+        registered(store, zz, T0 + 10)
+        registered(store, aa, T0 + 5)  # a producer whose clock is behind: still second in line
+        aa_gen = gated(store, aa, 0, T0 + 11, b"aa", position=2).generation
+        token = admitted(store, zz, 0, T0 + 12)
+        # A late arrival that sorts first (run id and clock) neither displaces the holder
+        # nor jumps the line.
+        registered(store, late, T0 - 100)
+        gated(store, late, 0, T0 + 13, b"00", position=2)
+        assert holders(store, T0 + 13) == ["zz"]
+        assert waiters(store, T0 + 13) == ["aa", "00"]
+        release = store.release(SCOPE, KEY, "zz", token=token, now=T0 + 14)
+        wake = the_wake(release.wakes, "aa")
+        assert wake.generation != aa_gen
+        admitted(store, aa, wake.generation, T0 + 15)
+
+    def test_holders_keep_their_slots_and_limit_above_one(self, store_factory: StoreFactory) -> None:
+        store = store_factory()
+        a, b, c, d, e = (spec(name, limit=3) for name in "abcde")
+        for i, run in enumerate((a, b, c, d, e)):
+            registered(store, run, T0 + i)
+        now = T0 + 10
+        gated(store, e, 0, now, b"e", position=5)
+        tokens = {"c": admitted(store, c, 0, now)}  # among the first three waiters
+        e_gen = gated(store, e, 0, now, b"e", position=4).generation
+        assert e_gen is not None
+        tokens["a"] = admitted(store, a, 0, now)
+        tokens["b"] = admitted(store, b, 0, now)
+        d_gen = gated(store, d, 0, now, b"d", position=1).generation
+        assert sorted(holders(store, now)) == ["a", "b", "c"]
+        assert len(set(tokens.values())) == 3
+        assert waiters(store, now) == ["d", "e"]
+        release = store.release(SCOPE, KEY, "c", token=tokens["c"], now=now + 1)
+        wake = the_wake(release.wakes, "d")
+        assert wake.generation != d_gen and wake.payload == b"d"
+        tokens["d"] = admitted(store, d, wake.generation, now + 2)
+        assert tokens["d"] > max(tokens["a"], tokens["b"], tokens["c"])
+        release = store.release(SCOPE, KEY, "a", token=tokens["a"], now=now + 3)
+        assert the_wake(release.wakes, "e").generation != e_gen
+
+    # ---------------------------------------------------------------- backlog cap (SPEC §5)
+
+    @pytest.mark.parametrize("depth", [0, 3])
+    def test_cap_is_exactly_limit_plus_depth(self, store_factory: StoreFactory, depth: int) -> None:
+        store = store_factory()
+        runs = [spec(f"r{i}", limit=2, depth=depth) for i in range(2 + depth + 1)]
+        for i, run in enumerate(runs[:-1]):
+            outcome = store.register(run, now=T0 + i)
+            assert (outcome.status, outcome.in_flight) == (Registered.REGISTERED, i + 1)
+        before = store.snapshot(now=T0 + 50)
+        rejected = store.register(runs[-1], now=T0 + 50)
+        assert (rejected.status, rejected.in_flight) == (Registered.FULL, 2 + depth)
+        assert store.snapshot(now=T0 + 50) == before  # nothing written
+        # A run already registered is still a no-op at the cap, not a rejection.
+        assert store.register(runs[0], now=T0 + 50).status is Registered.EXISTS
+        # Admitted runs count as much as waiting ones.
+        token = admitted(store, runs[0], 0, T0 + 51)
+        admitted(store, runs[1], 0, T0 + 51)
+        assert store.register(runs[-1], now=T0 + 52).status is Registered.FULL
+        assert waiters(store, T0 + 52) == [w.run_id for w in before[0].waiters[2:]]
+        # A settled run frees its place in the count.
+        assert store.release(SCOPE, KEY, "r0", token=token, now=T0 + 53).released
+        accepted = store.register(runs[-1], now=T0 + 54)
+        assert (accepted.status, accepted.in_flight) == (Registered.REGISTERED, 2 + depth)
+        assert store.register(spec("one-more", limit=2, depth=depth), now=T0 + 55).status is Registered.FULL
+
+    def test_unbounded_backlog_by_default(self, store_factory: StoreFactory) -> None:
+        store = store_factory()
+        for i in range(30):
+            outcome = store.register(spec(f"r{i}"), now=T0)
+            assert (outcome.status, outcome.in_flight) == (Registered.REGISTERED, i + 1)
+
+    # ---------------------------------------------------------------- registration (SPEC §3.1, §7)
+
+    def test_dedupe_by_run_id(self, store_factory: StoreFactory) -> None:
+        store = store_factory()
+        run = spec("r", depth=5)
+        registered(store, run, T0)
+        before = store.snapshot(now=T0 + 1)
+        again = store.register(run, now=T0 + 1, confirmed=False)
+        assert (again.status, again.in_flight) == (Registered.EXISTS, 1)
+        assert store.snapshot(now=T0 + 1) == before
+        generation = gated(store, spec("other", depth=5), 0, T0 + 2, position=2).generation
+        assert generation is not None
+        admitted(store, run, 0, T0 + 3)
+        before = store.snapshot(now=T0 + 4)
+        for run_id in ("r", "other"):  # holding, gated
+            again = store.register(spec(run_id, depth=5), now=T0 + 4)
+            assert (again.status, again.in_flight) == (Registered.EXISTS, 2)
+        assert store.snapshot(now=T0 + 4) == before
+
+    def test_confirm_and_unregister(self, store_factory: StoreFactory) -> None:
+        store = store_factory()
+        registered(store, spec("a"), T0, confirmed=False)
+        registered(store, spec("b"), T0 + 1, confirmed=False)
+        snap = one_key(store, T0 + 1)
+        assert snap is not None and [w.confirmed for w in snap.waiters] == [False, False]
+        assert [w.state for w in snap.waiters] == [RunState.PENDING, RunState.PENDING]
+        assert [w.created_at for w in snap.waiters] == [T0, T0 + 1]
+        assert store.confirm(SCOPE, KEY, "a", now=T0 + 2) is True
+        assert store.confirm(SCOPE, KEY, "a", now=T0 + 2) is True  # idempotent
+        assert store.confirm(SCOPE, KEY, "nobody", now=T0 + 2) is False
+        snap = one_key(store, T0 + 2)
+        assert snap is not None and [w.confirmed for w in snap.waiters] == [True, False]
+        # The failed publish of b is undone: b leaves no trace.
+        assert store.unregister(SCOPE, KEY, "b", now=T0 + 3) is True
+        assert waiters(store, T0 + 3) == ["a"]
+        assert store.unregister(SCOPE, KEY, "b", now=T0 + 3) is False
+        assert store.unregister(SCOPE, KEY, "nobody", now=T0 + 3) is False
+        # Delivered runs (holders, gated waiters) are not undone by a late unregister.
+        token = admitted(store, spec("a"), 0, T0 + 4)
+        gated(store, spec("c"), 0, T0 + 4, position=1)
+        assert store.unregister(SCOPE, KEY, "a", now=T0 + 5) is False
+        assert store.unregister(SCOPE, KEY, "c", now=T0 + 5) is False
+        assert holders(store, T0 + 5) == ["a"] and waiters(store, T0 + 5) == ["c"]
+        store.release(SCOPE, KEY, "a", token=token, now=T0 + 6)
+        store.release(SCOPE, KEY, "c", token=None, now=T0 + 6)
+        registered(store, spec("d"), T0 + 7)
+        assert store.unregister(SCOPE, KEY, "d", now=T0 + 8) is True
+        assert store.snapshot(now=T0 + 8) == []
+
+    def test_unconfirmed_ghosts_expire_after_grace(self, store_factory: StoreFactory) -> None:
+        store = store_factory(timings=Timings(registration_grace=5.0))
+        registered(store, spec("ghost", depth=0), T0, confirmed=False)
+        # Within the grace the registration counts: it may still be published.
+        full = store.register(spec("r", depth=0), now=T0 + 1)
+        assert (full.status, full.in_flight) == (Registered.FULL, 1)
+        # After it, it no longer counts nor blocks the line.
+        accepted = store.register(spec("r", depth=0), now=T0 + 6)
+        assert (accepted.status, accepted.in_flight) == (Registered.REGISTERED, 1)
+        admitted(store, spec("r", depth=0), 0, T0 + 6)
+        assert waiters(store, T0 + 6) == []
+        # Another key: a ghost within the grace is ahead in line; a confirmed one never expires.
+        registered(store, spec("ghost2", key="k2"), T0, confirmed=False)
+        registered(store, spec("kept", key="k2"), T0, confirmed=False)
+        registered(store, spec("r2", key="k2"), T0 + 1)
+        assert store.confirm(SCOPE, "k2", "kept", now=T0 + 2)
+        generation = gated(store, spec("r2", key="k2"), 0, T0 + 2, position=3).generation
+        assert generation is not None
+        generation = gated(store, spec("r2", key="k2"), generation, T0 + 10, position=2).generation
+        assert waiters(store, T0 + 10, key="k2") == ["kept", "r2"]
+        assert generation is not None
+        admitted(store, spec("kept", key="k2"), 0, T0 + 11)
+
+    def test_late_delivery_of_an_unconfirmed_registration_keeps_its_place(
+        self, store_factory: StoreFactory
+    ) -> None:
+        store = store_factory(timings=Timings(registration_grace=5.0))
+        token = admitted(store, spec("h"), 0, T0)
+        registered(store, spec("slow"), T0, confirmed=False)
+        registered(store, spec("next"), T0 + 1)
+        # Its message was published after all: delivered after the grace, it is no ghost.
+        gated(store, spec("slow"), 0, T0 + 30, b"slow", position=1)
+        assert waiters(store, T0 + 30) == ["slow", "next"]
+        wake = the_wake(store.release(SCOPE, KEY, "h", token=token, now=T0 + 31).wakes, "slow")
+        admitted(store, spec("slow"), wake.generation, T0 + 32)
+
+    def test_unregistered_delivery_is_registered_at_first_sight(self, store_factory: StoreFactory) -> None:
+        store = store_factory()
+        admitted(store, spec("sent-by-name"), 0, T0)
+        gated(store, spec("also-by-name"), 3, T0 + 1, position=1)
+        assert waiters(store, T0 + 1) == ["also-by-name"]
+
+    # ---------------------------------------------------------------- wakes and copies (SPEC §3.6, §3.7)
+
+    def test_release_wakes_exactly_the_gated_slot_owners(self, store_factory: StoreFactory) -> None:
+        store = store_factory()
+        h1, h2, w1, w2, w3 = (spec(name, limit=2) for name in ("h1", "h2", "w1", "w2", "w3"))
+        for i, run in enumerate((h1, h2, w1, w2, w3)):
+            registered(store, run, T0 + i)
+        t1 = admitted(store, h1, 0, T0 + 10)
+        t2 = admitted(store, h2, 0, T0 + 10)
+        payload = b"\x00w1\xff\r\n binary"
+        g1 = gated(store, w1, 0, T0 + 11, payload, position=1).generation
+        g3 = gated(store, w3, 0, T0 + 11, b"w3", position=3).generation
+        # One slot frees: the first gated waiter owns it, with its payload and a new generation.
+        release = store.release(SCOPE, KEY, "h1", token=t1, now=T0 + 12)
+        assert release.released and not release.lost
+        assert release.wakes == (Wake(SCOPE, KEY, "w1", release.wakes[0].generation, payload),)
+        assert release.wakes[0].generation != g1
+        # The second slot belongs to w2, which was never delivered: its own message will come.
+        release = store.release(SCOPE, KEY, "h2", token=t2, now=T0 + 13)
+        assert release.released and release.wakes == ()
+        t_w2 = admitted(store, w2, 0, T0 + 14)
+        # w1 was woken already; w3 owns the slot w2 frees.
+        release = store.release(SCOPE, KEY, "w2", token=t_w2, now=T0 + 15)
+        assert the_wake(release.wakes, "w3").generation != g3
+        assert the_wake(release.wakes, "w3").payload == b"w3"
+
+    @pytest.mark.parametrize("first", ["woken", "delayed"])
+    def test_woken_copy_and_delayed_copy_run_once(self, store_factory: StoreFactory, first: str) -> None:
+        store = store_factory()
+        h, w = spec("h"), spec("w")
+        registered(store, h, T0)
+        registered(store, w, T0 + 1)
+        token = admitted(store, h, 0, T0 + 2)
+        delayed = gated(store, w, 0, T0 + 3, b"w", position=1).generation
+        assert delayed is not None
+        wake = the_wake(store.release(SCOPE, KEY, "h", token=token, now=T0 + 4).wakes, "w")
+        assert wake.generation not in (0, delayed)
+        winner, loser = (wake.generation, delayed) if first == "woken" else (delayed, wake.generation)
+        w_token = admitted(store, w, winner, T0 + 5)
+        stale(store, w, loser, T0 + 6)
+        stale(store, w, 0, T0 + 6)  # the first delivery's copy
+        assert holders(store, T0 + 6) == ["w"]
+        # After settlement the other copies stay dead and leave nothing behind ...
+        assert store.release(SCOPE, KEY, "w", token=w_token, now=T0 + 7).released
+        for generation in (loser, 0, 12345):
+            stale(store, w, generation, T0 + 8)
+        assert store.snapshot(now=T0 + 8) == []
+        # ... while the admitted copy coming back (a re-driven dead letter) is a new claim.
+        again = admitted(store, w, winner, T0 + 9)
+        assert again > w_token
+
+    def test_stale_copies_dropped_and_redriven_copy_queues(self, store_factory: StoreFactory) -> None:
+        store = store_factory()
+        h, w, x = spec("h"), spec("w"), spec("x")
+        token = admitted(store, h, 0, T0)
+        g1 = gated(store, w, 0, T0 + 1, b"w", position=1).generation
+        assert g1 is not None
+        g2 = gated(store, w, g1, T0 + 2, b"w", position=1).generation
+        assert g2 is not None
+        stale(store, w, 0, T0 + 3)  # superseded while waiting
+        assert waiters(store, T0 + 3) == ["w"]
+        g3 = the_wake(store.release(SCOPE, KEY, "h", token=token, now=T0 + 4).wakes, "w").generation
+        w_token = admitted(store, w, g3, T0 + 5)
+        for generation in (0, g1, g2):
+            stale(store, w, generation, T0 + 6)
+        assert store.release(SCOPE, KEY, "w", token=w_token, now=T0 + 7).released
+        for generation in (0, g1, g2):
+            stale(store, w, generation, T0 + 8)
+        assert store.snapshot(now=T0 + 8) == []
+        # The re-driven admitted copy queues like any new run behind the current holder.
+        admitted(store, x, 0, T0 + 9)
+        gated(store, w, g3, T0 + 10, position=1)
+        assert waiters(store, T0 + 10) == ["w"]
+
+    def test_revoked_waiter_copies_are_stale(self, store_factory: StoreFactory) -> None:
+        store = store_factory()
+        admitted(store, spec("h"), 0, T0)
+        generation = gated(store, spec("w"), 0, T0 + 1, position=1).generation
+        assert generation is not None
+        release = store.release(SCOPE, KEY, "w", token=None, now=T0 + 2)
+        assert release.released and release.wakes == ()
+        stale(store, spec("w"), generation, T0 + 3)
+        stale(store, spec("w"), 0, T0 + 3)
+        assert waiters(store, T0 + 3) == []
+
+    # ---------------------------------------------------------------- other deliveries (SPEC §4, §6)
+
+    def test_duplicate_of_an_executing_holder_is_busy(self, store_factory: StoreFactory) -> None:
+        store = store_factory()
+        h = spec("h", lease=60.0)
+        token = admitted(store, h, 0, T0)
+        busy = store.claim(h, 0, b"dup", now=T0 + 1)
+        assert busy.decision is Decision.BUSY and busy.token is None
+        assert busy.generation is not None and busy.generation != 0
+        # The deferred duplicate comes back while the holder still runs: busy again.
+        again = store.claim(h, busy.generation, b"dup", now=T0 + 2)
+        assert again.decision is Decision.BUSY
+        assert again.generation is not None and again.generation not in (0, busy.generation)
+        snap = one_key(store, T0 + 2)
+        assert snap is not None and [(x.run_id, x.token) for x in snap.holders] == [("h", token)]
+        assert store.release(SCOPE, KEY, "h", token=token, now=T0 + 3).released
+        stale(store, h, again.generation, T0 + 4)
+        assert store.snapshot(now=T0 + 4) == []
+
+    def test_suspended_holder_is_readmitted_on_its_own_slot(self, store_factory: StoreFactory) -> None:
+        store = store_factory()
+        h, w = spec("h"), spec("w")
+        token = admitted(store, h, 0, T0)
+        generation = gated(store, w, 0, T0 + 1, position=1).generation
+        assert generation is not None
+        assert store.suspend(SCOPE, KEY, "h", token + 1000, now=T0 + 2, delay=30.0) is False
+        assert store.suspend(SCOPE, KEY, "w", token, now=T0 + 2, delay=30.0) is False
+        assert store.suspend(SCOPE, KEY, "h", token, now=T0 + 2, delay=30.0) is True
+        snap = one_key(store, T0 + 2)
+        assert snap is not None and len(snap.holders) == 1
+        assert snap.holders[0].executing is False
+        assert snap.holders[0].lease_expires_at == T0 + 2 + 30.0 + 60.0
+        # The slot stays the retrying run's ...
+        gated(store, w, generation, T0 + 3, position=1)
+        # ... and its retry is admitted at once, well within its lease, with a new token.
+        outcome = store.claim(h, 0, None, now=T0 + 32)
+        assert outcome.decision is Decision.ADMITTED and outcome.takeover is False
+        assert outcome.token is not None and outcome.token > token
+        assert holders(store, T0 + 32) == ["h"]
+
+    def test_takeover_after_lease_lapse(self, store_factory: StoreFactory) -> None:
+        store = store_factory()
+        h = spec("h", lease=10.0)
+        token = admitted(store, h, 0, T0)
+        assert store.claim(h, 0, None, now=T0 + 9.5).decision is Decision.BUSY
+        takeover = store.claim(h, 0, None, now=T0 + 10)  # the lease ends at T0 + 10
+        assert takeover.decision is Decision.ADMITTED and takeover.takeover is True
+        assert takeover.token is not None and takeover.token > token
+        snap = one_key(store, T0 + 10)
+        assert snap is not None and [(x.run_id, x.token) for x in snap.holders] == [("h", takeover.token)]
+        # The presumed-dead first copy learns it lost the slot.
+        assert store.heartbeat([HolderRef(SCOPE, KEY, "h", token)], now=T0 + 11) == ["h"]
+        lost = store.release(SCOPE, KEY, "h", token=token, now=T0 + 12)
+        assert lost.released is False and lost.lost is True
+        assert holders(store, T0 + 12) == ["h"]
+        assert store.release(SCOPE, KEY, "h", token=takeover.token, now=T0 + 13).released
+
+    def test_release_with_another_holders_token_is_lost(self, store_factory: StoreFactory) -> None:
+        store = store_factory()
+        ta = admitted(store, spec("a", limit=2), 0, T0)
+        tb = admitted(store, spec("b", limit=2), 0, T0)
+        lost = store.release(SCOPE, KEY, "a", token=tb, now=T0 + 1)
+        assert lost.released is False and lost.lost is True
+        assert sorted(holders(store, T0 + 1)) == ["a", "b"]
+        assert store.release(SCOPE, KEY, "a", token=ta, now=T0 + 2).released
+
+    def test_orphaned_holder_evicted_and_next_waiter_woken(self, store_factory: StoreFactory) -> None:
+        store = store_factory()
+        h = spec("h", lease=10.0, orphan=100.0)
+        w1, w2 = spec("w1", lease=10.0, orphan=100.0), spec("w2", lease=10.0, orphan=100.0)
+        token = admitted(store, h, 0, T0)
+        g1 = gated(store, w1, 0, T0 + 1, b"w1", position=1).generation
+        g2 = gated(store, w2, 0, T0 + 2, b"w2", position=2).generation
+        assert g2 is not None
+        # Lease ended at T0 + 10; orphaned only strictly after T0 + 110.
+        outcome = gated(store, w2, g2, T0 + 110, b"w2", position=2)
+        assert outcome.evicted == () and outcome.wakes == ()
+        assert outcome.generation is not None
+        outcome = gated(store, w2, outcome.generation, T0 + 110.5, b"w2", position=2)
+        assert outcome.evicted == ("h",)
+        wake = the_wake(outcome.wakes, "w1")
+        assert wake.payload == b"w1" and wake.generation != g1
+        assert holders(store, T0 + 110.5) == []
+        admitted(store, w1, wake.generation, T0 + 111)
+        lost = store.release(SCOPE, KEY, "h", token=token, now=T0 + 112)
+        assert lost.released is False and lost.lost is True
+        assert store.heartbeat([HolderRef(SCOPE, KEY, "h", token)], now=T0 + 112) == ["h"]
+
+    def test_eviction_on_release_of_another_run(self, store_factory: StoreFactory) -> None:
+        store = store_factory()
+        h = spec("h", lease=10.0, orphan=100.0)
+        w1, w2 = spec("w1", orphan=100.0), spec("w2", orphan=100.0)
+        admitted(store, h, 0, T0)
+        gated(store, w1, 0, T0 + 1, b"w1", position=1)
+        gated(store, w2, 0, T0 + 2, b"w2", position=2)
+        release = store.release(SCOPE, KEY, "w2", token=None, now=T0 + 200)  # w2 revoked
+        assert release.released and release.evicted == ("h",)
+        assert the_wake(release.wakes, "w1").payload == b"w1"
+
+    def test_orphan_timeout_none_never_evicts_nor_passes_over(self, store_factory: StoreFactory) -> None:
+        store = store_factory()
+        h = spec("h", lease=10.0, orphan=None)
+        w = spec("w", lease=10.0, orphan=None)
+        admitted(store, h, 0, T0)
+        outcome = gated(store, w, 0, T0 + 1, position=1)
+        assert outcome.generation is not None
+        outcome = gated(store, w, outcome.generation, T0 + 1e6, position=1)
+        assert outcome.evicted == () and holders(store, T0 + 1e6) == ["h"]
+        # A waiter never delivered keeps its place forever too.
+        registered(store, spec("p", key="k2", orphan=None), T0)
+        gated(store, spec("q", key="k2", orphan=None), 0, T0 + 1e6, position=2)
+
+    def test_undelivered_waiter_passed_over_then_restored(self, store_factory: StoreFactory) -> None:
+        store = store_factory()
+        a, b, c = (spec(name, orphan=100.0) for name in "abc")
+        registered(store, a, T0)  # its message is lost somewhere
+        registered(store, b, T0 + 50)
+        gated(store, b, 0, T0 + 100, position=2)  # at T0 + 100 a is not overdue yet
+        token = admitted(store, b, 0, T0 + 100.5)  # a is passed over, not deleted
+        assert waiters(store, T0 + 100.5) == ["a"]
+        # a's message finally arrives: it takes its place at the head of the line again.
+        registered(store, c, T0 + 101)
+        gated(store, c, 0, T0 + 102, b"c", position=2)
+        a_gen = gated(store, a, 0, T0 + 103, b"a", position=1).generation
+        wake = the_wake(store.release(SCOPE, KEY, "b", token=token, now=T0 + 104).wakes, "a")
+        assert wake.generation != a_gen and wake.payload == b"a"
+
+    def test_heartbeat_is_batched_and_reports_lost_slots(self, store_factory: StoreFactory) -> None:
+        store = store_factory()
+        h1 = spec("h1", limit=2, lease=10.0)
+        h3 = spec("h3", limit=2, lease=10.0)
+        h2 = spec("h2", key="k2", lease=10.0)
+        t1, t2, t3 = admitted(store, h1, 0, T0), admitted(store, h2, 0, T0), admitted(store, h3, 0, T0)
+        assert store.heartbeat([], now=T0 + 1) == []
+        refs = [
+            HolderRef(SCOPE, KEY, "h1", t1),
+            HolderRef(SCOPE, "k2", "h2", t2),
+            HolderRef(SCOPE, KEY, "h3", t3 + 1000),  # not its token
+            HolderRef(SCOPE, "k2", "nobody", t2),
+        ]
+        assert sorted(store.heartbeat(refs, now=T0 + 8)) == ["h3", "nobody"]
+        snap1, snap2 = one_key(store, T0 + 8), one_key(store, T0 + 8, key="k2")
+        assert snap1 is not None and snap2 is not None
+        leases = {x.run_id: (x.heartbeat_at, x.lease_expires_at) for x in snap1.holders + snap2.holders}
+        assert leases == {"h1": (T0 + 8, T0 + 18), "h2": (T0 + 8, T0 + 18), "h3": (T0, T0 + 10)}
+        # Heartbeated holders are still executing past their first lease; h3 is taken over.
+        assert store.claim(h1, 0, None, now=T0 + 15).decision is Decision.BUSY
+        assert store.claim(h2, 0, None, now=T0 + 15).decision is Decision.BUSY
+        takeover = store.claim(h3, 0, None, now=T0 + 15)
+        assert takeover.decision is Decision.ADMITTED and takeover.takeover
+
+    def test_operator_release(self, store_factory: StoreFactory) -> None:
+        store = store_factory()
+        admitted(store, spec("h"), 0, T0)
+        gated(store, spec("w"), 0, T0 + 1, b"w", position=1)
+        registered(store, spec("p", key="k2"), T0 + 2)
+        outcome = store.operator_release("h", now=T0 + 3)
+        assert outcome is not None and outcome.released
+        assert the_wake(outcome.wakes, "w").payload == b"w"
+        assert store.operator_release("nobody", now=T0 + 3) is None
+        outcome = store.operator_release("p", now=T0 + 4)
+        assert outcome is not None and outcome.released
+        assert one_key(store, T0 + 4, key="k2") is None
+        stale(store, spec("p", key="k2"), 0, T0 + 5)
+
+    def test_release_is_idempotent(self, store_factory: StoreFactory) -> None:
+        store = store_factory()
+        token = admitted(store, spec("h"), 0, T0)
+        first = store.release(SCOPE, KEY, "h", token=token, now=T0 + 1)
+        assert first.released and not first.lost
+        second = store.release(SCOPE, KEY, "h", token=token, now=T0 + 2)
+        assert (second.released, second.lost, second.wakes) == (False, False, ())
+        registered(store, spec("w"), T0 + 3)
+        assert store.release(SCOPE, KEY, "w", token=None, now=T0 + 4).released
+        third = store.release(SCOPE, KEY, "w", token=None, now=T0 + 5)
+        assert (third.released, third.lost) == (False, False)
+
+    # ---------------------------------------------------------------- isolation and data (SPEC §8)
+
+    def test_namespaces_isolate(self, store_factory: StoreFactory) -> None:
+        tag = uuid.uuid4().hex[:10]
+        left, right = store_factory(namespace=f"left{tag}"), store_factory(namespace=f"right{tag}")
+        registered(left, spec("a"), T0)
+        registered(right, spec("a"), T0)  # same scope, key and run id: another application
+        registered(right, spec("b"), T0)
+        admitted(left, spec("a"), 0, T0 + 1)
+        admitted(right, spec("a"), 0, T0 + 1)
+        seen = [(s.key, [h.run_id for h in s.holders]) for s in left.snapshot(now=T0 + 1)]
+        assert seen == [(KEY, ["a"])] and waiters(left, T0 + 1) == []
+        assert waiters(right, T0 + 1) == ["b"]
+        assert left.operator_release("b", now=T0 + 2) is None
+        assert right.operator_release("b", now=T0 + 2) is not None
+        assert left.snapshot(now=T0 + 2) != [] and waiters(right, T0 + 2) == []
+
+    def test_same_namespace_shares(self, store_factory: StoreFactory) -> None:
+        named = f"shared{uuid.uuid4().hex[:10]}"
+        pairs = [
+            (store_factory(), store_factory()),
+            (store_factory(namespace=named), store_factory(namespace=named)),
+        ]
+        for one, two in pairs:
+            registered(one, spec("a"), T0)
+            assert two.register(spec("a"), now=T0).status is Registered.EXISTS
+            token = admitted(two, spec("a"), 0, T0 + 1)
+            assert holders(one, T0 + 1) == ["a"]
+            gated(one, spec("b"), 0, T0 + 2, position=1)
+            assert the_wake(two.release(SCOPE, KEY, "a", token=token, now=T0 + 3).wakes, "b")
+            one.release(SCOPE, KEY, "b", token=None, now=T0 + 4)
+
+    def test_empty_key_leaves_nothing_but_its_token_counter(self, store_factory: StoreFactory) -> None:
+        store = store_factory()
+        token = admitted(store, spec("a"), 0, T0)
+        gated(store, spec("b"), 0, T0 + 1, position=1)
+        store.release(SCOPE, KEY, "b", token=None, now=T0 + 2)
+        store.release(SCOPE, KEY, "a", token=token, now=T0 + 3)
+        assert store.snapshot(now=T0 + 3) == []
+        assert store.snapshot(now=T0 + 3, scope=SCOPE, key=KEY) == []
+        stale(store, spec("b"), 0, T0 + 4)  # a dropped copy writes nothing either
+        registered(store, spec("c"), T0 + 5)
+        assert store.unregister(SCOPE, KEY, "c", now=T0 + 6)
+        assert store.snapshot(now=T0 + 6) == []
+        # After a long idle (every settled marker expired), tokens still only go up.
+        later = T0 + 10 * 86400
+        second = admitted(store, spec("d"), 0, later)
+        assert second > token
+        snap = one_key(store, later)
+        assert snap is not None and snap.token == second
+
+    def test_fencing_tokens_strictly_increase_per_key(self, store_factory: StoreFactory) -> None:
+        store = store_factory()
+        seen: dict[str, list[int]] = {KEY: [], "k2": []}
+        now = T0
+        for round_ in range(3):
+            for key in (KEY, "k2"):
+                run = spec(f"{key}-{round_}", key=key, limit=2, lease=5.0)
+                token = admitted(store, run, 0, now)
+                seen[key].append(token)
+                assert store.suspend(SCOPE, key, run.run_id, token, now=now, delay=1.0)
+                token = admitted(store, run, 0, now + 1)  # the retry
+                seen[key].append(token)
+                takeover = store.claim(run, 0, None, now=now + 7)  # lease lapsed: redelivered
+                assert takeover.decision is Decision.ADMITTED and takeover.token is not None
+                seen[key].append(takeover.token)
+                assert store.release(SCOPE, key, run.run_id, token=takeover.token, now=now + 8).released
+            now += 10
+        for tokens in seen.values():
+            assert all(a < b for a, b in itertools.pairwise(tokens)), tokens
+
+    def test_scopes_isolate_keys_of_the_same_text(self, store_factory: StoreFactory) -> None:
+        store = store_factory()
+        pairs = [("s1", "k"), ("s2", "k"), ("a:b", "c"), ("a", "b:c"), ("a", "b"), ("a:", "b"), ("a", ":b")]
+        for scope, key in pairs:
+            admitted(store, spec("same-run-id", scope=scope, key=key), 0, T0)
+        snaps = store.snapshot(now=T0)
+        assert sorted((s.scope, s.key) for s in snaps) == sorted(pairs)
+        assert all([h.run_id for h in s.holders] == ["same-run-id"] for s in snaps)
+        in_a = sorted((s.scope, s.key) for s in store.snapshot(now=T0, scope="a"))
+        assert in_a == sorted([("a", "b:c"), ("a", "b"), ("a", ":b")])
+        assert [(s.scope, s.key) for s in store.snapshot(now=T0, scope="a", key="b")] == [("a", "b")]
+
+    KEYS_AS_DATA: tuple[str, ...] = (
+        "{braces}",
+        "{store_id}",
+        "}{",
+        "'single'",
+        '"double"',
+        "line\nbreak\r\n",
+        "100%",
+        "%s%d%%",
+        "--",
+        "' ; -- ]] [[ ?",
+        "a'); DROP TABLE runs; --",
+        "]]..redis.call('flushall')..[[",
+        "?",
+        "$1",
+        "\\backslash\\",
+        "tab\there",
+        "emoji 🦄🚀",
+        "x" * 512,
+        "x" * 511 + "y",
+        "k",
+        "k:",
+        "k:1",
+        " ",
+        "*",
+    )
+
+    KEYS_WITH_NUL: tuple[str, ...] = ("\0", "nul\0inside", "' ; -- ]] [[ \0?", "nul\0")
+
+    def test_keys_are_data(self, store_factory: StoreFactory) -> None:
+        self._keys_round_trip(store_factory(), self.KEYS_AS_DATA)
+
+    def test_keys_with_nul_are_data(self, store_factory: StoreFactory) -> None:
+        # A key is any str (SPEC §2); NUL is where C strings and SQL text columns cut it short.
+        self._keys_round_trip(store_factory(), self.KEYS_WITH_NUL)
+
+    def _keys_round_trip(self, store: Store, keys: Sequence[str]) -> None:
+        assert len(set(keys)) == len(keys)
+        tokens = {}
+        for i, key in enumerate(keys):
+            registered(store, spec(key, key=key), T0)  # the run id is the same text
+            tokens[key] = admitted(store, spec(key, key=key), 0, T0 + 1)
+            gated(store, spec(f"w{i}", key=key), 0, T0 + 2, key.encode(), position=1)
+        snaps = store.snapshot(now=T0 + 3)
+        assert sorted(s.key for s in snaps) == sorted(keys)
+        for i, key in enumerate(keys):
+            snap = one_key(store, T0 + 3, key=key)
+            assert snap is not None
+            assert [h.run_id for h in snap.holders] == [key]
+            assert [w.run_id for w in snap.waiters] == [f"w{i}"]
+        for i, key in enumerate(keys):
+            release = store.release(SCOPE, key, key, token=tokens[key], now=T0 + 4)
+            assert release.released
+            wake = the_wake(release.wakes, f"w{i}")
+            assert (wake.scope, wake.key, wake.payload) == (SCOPE, key, key.encode())
+        weird_scope = "scope ' ; -- {x} \n 🦄"
+        admitted(store, spec("r", scope=weird_scope, key="' ; --"), 0, T0 + 5)
+        assert [(s.scope, s.key) for s in store.snapshot(now=T0 + 5, scope=weird_scope)] == [
+            (weird_scope, "' ; --")
+        ]
+
+    def test_times_round_trip_exactly(self, store_factory: StoreFactory) -> None:
+        store = store_factory()
+        registered_at = 1764680000.123456  # time.time() precision survives the store
+        admitted_at = registered_at + 0.000001
+        registered(store, spec("a"), registered_at)
+        registered(store, spec("b"), registered_at)
+        admitted(store, spec("a", lease=60.0), 0, admitted_at)
+        snap = one_key(store, admitted_at)
+        assert snap is not None
+        assert snap.waiters[0].created_at == registered_at
+        holder = snap.holders[0]
+        assert (holder.admitted_at, holder.heartbeat_at) == (admitted_at, admitted_at)
+        assert holder.lease_expires_at == admitted_at + 60.0
+        assert holder.executing is True
+
+    def test_snapshot_filters_and_shows_limit_and_token(self, store_factory: StoreFactory) -> None:
+        store = store_factory()
+        token = admitted(store, spec("a", limit=3), 0, T0)
+        registered(store, spec("b", limit=3), T0 + 1)
+        admitted(store, spec("c", scope="other"), 0, T0)
+        snap = one_key(store, T0 + 2)
+        assert snap is not None
+        assert (snap.limit, snap.token) == (3, token)
+        assert [w.state for w in snap.waiters] == [RunState.PENDING]
+        everything = sorted((s.scope, s.key) for s in store.snapshot(now=T0 + 2))
+        assert everything == [(SCOPE, KEY), ("other", KEY)]
+        assert [s.scope for s in store.snapshot(now=T0 + 2, scope="other")] == ["other"]
+        assert store.snapshot(now=T0 + 2, key="missing") == []
+
+    # ---------------------------------------------------------------- schema and time (SPEC §8)
+
+    def test_schema_version_mismatch_is_refused(self, store_factory: StoreFactory) -> None:
+        store = store_factory()
+        store.check_schema()
+        assert store.schema_version() == SCHEMA_VERSION
+        setter = getattr(store, "set_schema_version_for_tests", None)
+        if setter is None:
+            pytest.skip(f"{type(store).__name__} has no set_schema_version_for_tests(version)")
+        try:
+            setter(SCHEMA_VERSION + 1)
+            assert store.schema_version() == SCHEMA_VERSION + 1
+            with pytest.raises(SchemaVersionError, match="migrate"):
+                store.check_schema()
+        finally:
+            setter(SCHEMA_VERSION)
+        store.check_schema()
+
+    def test_frozen_clock(self, store_factory: StoreFactory) -> None:
+        freezegun = pytest.importorskip("freezegun")
+        store = store_factory()
+        a, b = spec("a", lease=10.0), spec("b", lease=10.0)
+        with freezegun.freeze_time("2026-12-02 12:00:00") as frozen:
+            registered(store, a, clock.now())
+            registered(store, b, clock.now())  # the same instant: order still holds
+            gated(store, b, 0, clock.now(), position=2)
+            token = admitted(store, a, 0, clock.now())
+            frozen.tick(9.0)
+            assert store.claim(a, 0, None, now=clock.now()).decision is Decision.BUSY
+            frozen.tick(2.0)
+            takeover = store.claim(a, 0, None, now=clock.now())
+            assert takeover.decision is Decision.ADMITTED and takeover.takeover
+            assert takeover.token is not None and takeover.token > token
+            snap = one_key(store, clock.now())
+            assert snap is not None and snap.holders[0].admitted_at == clock.now()

@@ -1,0 +1,317 @@
+"""Bad input is refused early and clearly (SPEC §2, §5, §8)."""
+
+from __future__ import annotations
+
+import inspect
+import pickle
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from singleton_tasks import (
+    DISABLED,
+    BoundSingleton,
+    SingletonConfig,
+    SingletonConfigError,
+    SingletonError,
+    SingletonKeyError,
+    SingletonQueueFullError,
+    StoreUnavailableError,
+    singleton,
+    store_from_url,
+)
+from singleton_tasks.config import MAX_KEY_LENGTH
+from singleton_tasks.outcomes import RunSpec
+from singleton_tasks.stores import STORE_CLASSES
+
+# ---------------------------------------------------------------------------- SingletonConfig
+
+
+@pytest.mark.parametrize("limit", [0, -1, 1.5, 2.0, "2", None, True, False])
+def test_limit_must_be_a_positive_int(limit: Any) -> None:
+    with pytest.raises(SingletonConfigError, match="limit"):
+        SingletonConfig(key="k", limit=limit)
+
+
+@pytest.mark.parametrize("depth", [-1, -10, 1.5, "3", True])
+def test_max_queue_depth_must_be_none_or_a_non_negative_int(depth: Any) -> None:
+    with pytest.raises(SingletonConfigError, match="max_queue_depth"):
+        SingletonConfig(key="k", max_queue_depth=depth)
+
+
+def test_valid_numbers_are_accepted() -> None:
+    assert SingletonConfig(key="k", limit=3, max_queue_depth=0).max_queue_depth == 0
+    assert SingletonConfig(key="k").limit == 1 and SingletonConfig(key="k").max_queue_depth is None
+    assert SingletonConfig(key="k", orphan_timeout=DISABLED).orphan_timeout is DISABLED
+
+
+@pytest.mark.parametrize("key", [42, None, b"store:{id}", ["k"], 1.0])
+def test_key_must_be_a_template_or_a_callable(key: Any) -> None:
+    with pytest.raises(SingletonConfigError, match="key"):
+        SingletonConfig(key=key)
+
+
+@pytest.mark.parametrize("template", ["", "store:{", "store:}", "{0}", "{}"])
+def test_malformed_or_positional_templates(template: str) -> None:
+    with pytest.raises(SingletonConfigError):
+        SingletonConfig(key=template)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("scope", ""), ("scope", 3), ("lease", 0), ("lease", -1.0), ("lease", True), ("orphan_timeout", -5)],
+)
+def test_other_fields(field: str, value: Any) -> None:
+    with pytest.raises(SingletonConfigError, match=field):
+        SingletonConfig(key="k", **{field: value})
+
+
+def test_dict_form_names_the_task() -> None:
+    with pytest.raises(SingletonConfigError, match=r"tasks\.sync.*unknown.*'lmit'"):
+        SingletonConfig.coerce({"key": "k", "lmit": 2}, task_name="tasks.sync")
+    with pytest.raises(SingletonConfigError, match=r"tasks\.sync.*key"):
+        SingletonConfig.coerce({"limit": 2}, task_name="tasks.sync")
+    with pytest.raises(SingletonConfigError, match=r"tasks\.sync.*limit"):
+        SingletonConfig.coerce({"key": "k", "limit": 0}, task_name="tasks.sync")
+    with pytest.raises(SingletonConfigError, match=r"tasks\.sync"):
+        SingletonConfig.coerce("store:{id}", task_name="tasks.sync")
+    config = SingletonConfig(key="k")
+    assert SingletonConfig.coerce(config, task_name="t") is config
+    assert SingletonConfig.coerce({"key": "k", "limit": 2}, task_name="t").limit == 2
+
+
+# ---------------------------------------------------------------------------- templates at declaration
+
+
+def sync_inventory(store_id: int, region: str = "eu", *, dry_run: bool = False) -> None:
+    """A task's own function."""
+
+
+def bind(key: Any, function: Callable[..., Any] = sync_inventory, name: str = "tasks.sync") -> BoundSingleton:
+    signature = inspect.signature(function)
+    return BoundSingleton.bind(SingletonConfig(key=key), task_name=name, signature=signature)
+
+
+def test_template_naming_a_missing_argument_fails_at_declaration() -> None:
+    with pytest.raises(SingletonConfigError, match=r"tasks\.sync.*'shop_id'"):
+        bind("store:{shop_id}")
+    with pytest.raises(SingletonConfigError, match="shop_id"):
+
+        @singleton(key="store:{shop_id}")
+        def task(store_id: int) -> None: ...
+
+
+def test_template_may_use_attributes_items_and_kwargs() -> None:
+    assert bind("{store_id.real}").derive_key((7,), {}) == "7"
+    assert bind("{region[0]}-{dry_run}").derive_key((1,), {"dry_run": True}) == "e-True"
+
+    def anything(**kwargs: Any) -> None: ...
+
+    assert bind("{whatever}", anything).derive_key((), {"whatever": "x"}) == "x"
+
+
+def test_template_is_filled_with_defaults_applied() -> None:
+    bound = bind("store:{store_id}:{region}:{dry_run}")
+    assert bound.derive_key((7,), {}) == "store:7:eu:False"
+    assert bound.derive_key((), {"store_id": 7, "region": "us"}) == "store:7:us:False"
+    assert bound.derive_key((7, "ap"), {"dry_run": True}) == "store:7:ap:True"
+
+
+def test_decorator_on_a_plain_function() -> None:
+    @singleton(key="store:{store_id}", limit=2, max_queue_depth=3)
+    def task(store_id: int, region: str = "eu") -> None: ...
+
+    bound = task.__singleton__  # type: ignore[attr-defined]
+    assert isinstance(bound, BoundSingleton)
+    assert bound.config.limit == 2 and bound.config.max_queue_depth == 3
+    assert bound.scope == bound.task_name and bound.task_name.endswith("task")
+    assert bound.derive_key((5,), {}) == "store:5"
+    with pytest.raises(SingletonConfigError, match="limit"):
+        singleton(key="k", limit=0)
+    with pytest.raises(SingletonConfigError, match="cannot handle"):
+        singleton(key="k")(42)
+
+
+def test_arguments_that_do_not_fit_the_signature() -> None:
+    with pytest.raises(SingletonKeyError, match=r"tasks\.sync") as caught:
+        bind("store:{store_id}").derive_key((), {})  # store_id missing
+    assert isinstance(caught.value.__cause__, TypeError)
+
+
+# ---------------------------------------------------------------------------- key functions at run time
+
+
+def test_key_function_that_raises_is_chained() -> None:
+    class Boom(Exception):
+        pass
+
+    def key(store_id: int, **_: Any) -> str:
+        raise Boom("no such store 7")
+
+    with pytest.raises(SingletonKeyError, match=r"tasks\.sync.*Boom.*no such store 7") as caught:
+        bind(key).derive_key((7,), {})
+    assert isinstance(caught.value.__cause__, Boom)
+    assert isinstance(caught.value, SingletonError) and isinstance(caught.value, ValueError)
+
+
+@pytest.mark.parametrize(
+    "value, shown",
+    [
+        (None, "None"),
+        ("", "''"),
+        (b"store:7", "b'store:7'"),
+        (7, "7"),
+        (["store", 7], "['store', 7]"),
+        ("x" * (MAX_KEY_LENGTH + 1), "513"),
+        ("é" * (MAX_KEY_LENGTH + 1), "513"),
+    ],
+)
+def test_key_function_returning_an_unusable_key(value: object, shown: str) -> None:
+    with pytest.raises(SingletonKeyError) as caught:
+        bind(lambda *a, **k: value).derive_key((7,), {})
+    message = str(caught.value)
+    assert "tasks.sync" in message and shown in message, message
+
+
+def test_template_yielding_an_unusable_key() -> None:
+    with pytest.raises(SingletonKeyError, match=r"tasks\.sync.*empty"):
+        bind("{region}").derive_key((7, ""), {})
+    with pytest.raises(SingletonKeyError, match=r"tasks\.sync.*513"):
+        bind("{region}").derive_key((7, "y" * 513), {})
+
+
+def test_keys_up_to_512_characters_are_fine() -> None:
+    assert bind(lambda *a, **k: "x" * MAX_KEY_LENGTH).derive_key((7,), {}) == "x" * 512
+    assert bind("{region}").derive_key((7, "🦄" * 512), {}) == "🦄" * 512
+
+
+def test_key_function_gets_the_tasks_own_arguments() -> None:
+    seen: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    def key(*args: Any, **kwargs: Any) -> str:
+        seen.append((args, kwargs))
+        return "k"
+
+    bind(key).derive_key((7,), {"dry_run": True})
+    assert seen == [((7,), {"dry_run": True})]  # no defaults injected, nothing reordered
+
+
+# ---------------------------------------------------------------------------- store URLs
+
+
+KNOWN = ["memory", "postgresql", "redis", "sqlite"]
+
+
+@pytest.mark.parametrize("url", ["nosuch://host/db", "mysql://u@h/db", "http://127.0.0.1/"])
+def test_unknown_scheme_lists_the_known_ones(url: str) -> None:
+    with pytest.raises(SingletonConfigError) as caught:
+        store_from_url(url)
+    assert all(scheme in str(caught.value) for scheme in KNOWN), caught.value
+    assert sorted(STORE_CLASSES) == sorted({*KNOWN, "postgres", "rediss"})
+
+
+@pytest.mark.parametrize("url", ["", "redis", "127.0.0.1:6379", "redis:/127.0.0.1", "://nothing"])
+def test_malformed_url_lists_the_known_schemes(url: str) -> None:
+    with pytest.raises(SingletonConfigError) as caught:
+        store_from_url(url)
+    assert all(scheme in str(caught.value) for scheme in KNOWN), caught.value
+
+
+def test_non_str_url() -> None:
+    with pytest.raises(SingletonConfigError):
+        store_from_url(None)  # type: ignore[arg-type]
+
+
+SECRET_URLS = [
+    "redis://u:secret@127.0.0.1:1/0",
+    "redis://:secret@127.0.0.1:1/0",
+    "rediss://u:secret@127.0.0.1:1/0",
+    "postgresql://u:secret@127.0.0.1:1/test",
+    "postgresql://u:secret@127.0.0.1:1/test?password=secret",
+    "nosuch://u:secret@127.0.0.1:1/0",
+    "redis//u:secret@127.0.0.1:1/0",  # typos: not URLs at all, still no password shown
+    "redis:/u:secret@127.0.0.1:1/0",
+    "u:secret@127.0.0.1:1",
+    "redis://u:secret@[::1/0",
+    "redis://u:secret@127.0.0.1:notaport/0",
+]
+
+
+def store_or_error(url: str, **options: Any) -> tuple[Any, str]:
+    """The store (and its repr) or the configuration error's text."""
+    try:
+        store = store_from_url(url, **options)
+    except SingletonConfigError as error:
+        return None, f"{error} {error!r} {error.__cause__!r}"
+    return store, repr(store) + " " + str(store.url)
+
+
+@pytest.mark.parametrize("url", SECRET_URLS)
+def test_password_never_shown(url: str) -> None:
+    store, text = store_or_error(url, **({"timeout": 1.0} if url.startswith("postgresql") else {}))
+    assert "secret" not in text, text
+    if store is None:
+        return
+    with pytest.raises(StoreUnavailableError) as caught:
+        store.register(RunSpec("s", "k", "r"), now=0.0)
+    store.close()
+    error = caught.value
+    for shown in (str(error), repr(error), str(error.__cause__), repr(error.__cause__)):
+        assert "secret" not in shown, shown
+
+
+@pytest.mark.parametrize(
+    "url, options",
+    [
+        ("redis://127.0.0.1:1/0", {}),
+        ("postgresql://127.0.0.1:1/test", {"timeout": 1.0}),
+        ("sqlite:////nonexistent-dir/sub/singleton.db", {}),
+    ],
+)
+def test_unreachable_store_fails_the_first_operation_chained(url: str, options: dict[str, Any]) -> None:
+    store = store_from_url(url, **options)  # connecting is lazy: declaring a worker does not fail
+    try:
+        with pytest.raises(StoreUnavailableError) as caught:
+            store.register(RunSpec("s", "k", "r"), now=0.0)
+        assert caught.value.__cause__ is not None
+        assert not isinstance(caught.value.__cause__, SingletonError)  # the driver's own error
+        with pytest.raises(StoreUnavailableError):
+            store.schema_version()
+    finally:
+        store.close()
+
+
+# ---------------------------------------------------------------------------- SingletonQueueFullError
+
+
+class AdapterQueueFull(SingletonQueueFullError):
+    """As an adapter subclasses it (Dramatiq: also a MiddlewareError)."""
+
+
+def test_queue_full_error_carries_its_facts_and_pickles() -> None:
+    error = SingletonQueueFullError(
+        task_name="tasks.sync", scope="tasks.sync", key="store:7", limit=1, max_queue_depth=2
+    )
+    assert (error.task_name, error.scope, error.key, error.limit, error.max_queue_depth) == (
+        "tasks.sync",
+        "tasks.sync",
+        "store:7",
+        1,
+        2,
+    )
+    assert "store:7" in str(error) and "limit=1" in str(error) and "max_queue_depth=2" in str(error)
+    assert isinstance(error, SingletonError)
+    for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+        copy = pickle.loads(pickle.dumps(error, protocol=protocol))
+        assert type(copy) is SingletonQueueFullError
+        assert (copy.task_name, copy.scope, copy.key, copy.limit, copy.max_queue_depth) == (
+            "tasks.sync",
+            "tasks.sync",
+            "store:7",
+            1,
+            2,
+        )
+        assert str(copy) == str(error)
+    sub = AdapterQueueFull(task_name="t", scope="s", key="k", limit=2, max_queue_depth=None)
+    assert pickle.loads(pickle.dumps(sub)).max_queue_depth is None

@@ -1,0 +1,599 @@
+"""Model-based test: random operation sequences on a store and on a tiny reference model.
+
+The reference model below is written from SPEC §3–§7 as gate.py defines them, with naive
+lists (no sequence numbers, no pages, no transactions), and shares no code with gate.py.
+Every answer of the store — decisions, tokens, generations, positions, wakes, evictions,
+heartbeat losses — and its snapshot after every step must be identical to the model's.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, Phase, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from singleton_tasks import Store
+from singleton_tasks.gate import Timings
+from singleton_tasks.outcomes import (
+    ClaimOutcome,
+    Decision,
+    HolderRef,
+    HolderView,
+    KeySnapshot,
+    Registered,
+    RegisterOutcome,
+    ReleaseOutcome,
+    RunSpec,
+    RunState,
+    WaiterView,
+    Wake,
+)
+from singleton_tasks.stores.memory import MemoryStore
+
+GRACE = 3.0
+SETTLED_TTL = 40.0
+T0 = 1_764_680_000.0
+
+
+@dataclass(frozen=True)
+class KeyConfig:
+    limit: int
+    lease: float
+    orphan: float | None
+
+
+# Small numbers so that every rule (caps, leases, evictions, passing over) is reached often.
+KEYS: dict[str, KeyConfig] = {
+    "k1": KeyConfig(limit=1, lease=10.0, orphan=30.0),
+    "k'2 {x}\n": KeyConfig(limit=2, lease=20.0, orphan=None),
+    "k3": KeyConfig(limit=2, lease=5.0, orphan=12.0),
+}
+RUNS_PER_KEY = 4
+BOGUS = 7777
+
+
+# ---------------------------------------------------------------------------- the model
+
+
+@dataclass
+class MRun:
+    run_id: str
+    state: RunState
+    created_at: float
+    confirmed: bool
+    generation: int
+    live: list[int]
+    lease: float
+    orphan: float | None
+    payload: bytes | None = None
+    token: int = 0
+    holder_gen: int = 0
+    admitted_at: float = 0.0
+    heartbeat_at: float = 0.0
+    lease_expires_at: float = 0.0
+    executing: bool = False
+
+
+@dataclass
+class MKey:
+    limit: int = 1
+    token: int = 0
+    runs: list[MRun] = field(default_factory=list)  # registration order; holders stay in place
+    settled: dict[str, tuple[int, float]] = field(default_factory=dict)  # run -> (generation, expires)
+
+    def find(self, run_id: str) -> MRun | None:
+        return next((r for r in self.runs if r.run_id == run_id), None)
+
+    def holders(self) -> list[MRun]:
+        return [r for r in self.runs if r.state is RunState.HOLDING]
+
+    def waiters(self) -> list[MRun]:
+        return [r for r in self.runs if r.state is not RunState.HOLDING]
+
+    def remove(self, run_id: str) -> None:
+        self.runs = [r for r in self.runs if r.run_id != run_id]
+
+    def marker(self, run_id: str, now: float) -> int | None:
+        found = self.settled.get(run_id)
+        return found[0] if found is not None and found[1] > now else None
+
+    def is_ghost(self, run: MRun, now: float) -> bool:
+        return run.state is RunState.PENDING and not run.confirmed and run.created_at < now - GRACE
+
+
+class Model:
+    """One namespace: keys by name, all in one scope."""
+
+    def __init__(self, scope: str) -> None:
+        self.scope = scope
+        self.keys: dict[str, MKey] = {}
+
+    def key(self, key: str) -> MKey:
+        return self.keys.setdefault(key, MKey())
+
+    # -- helpers of the rules
+
+    @staticmethod
+    def passed_over(run: MRun, now: float) -> bool:
+        return run.state is RunState.PENDING and run.orphan is not None and run.created_at + run.orphan < now
+
+    def owners(self, k: MKey, now: float) -> list[MRun]:
+        free = k.limit - len(k.holders())
+        if free <= 0:
+            return []
+        return [r for r in k.waiters() if not self.passed_over(r, now)][:free]
+
+    def housekeep(self, k: MKey, now: float, keep: str) -> list[str]:
+        evicted = [
+            h.run_id
+            for h in k.holders()
+            if h.orphan is not None and h.lease_expires_at + h.orphan < now and h.run_id != keep
+        ]
+        ghosts = [r.run_id for r in k.runs if k.is_ghost(r, now) and r.run_id != keep]
+        for run_id in evicted + ghosts:
+            k.remove(run_id)
+        return evicted
+
+    def wakes(self, key: str, k: MKey, now: float, skip: str | None) -> list[Wake]:
+        out = []
+        for run in self.owners(k, now):
+            if run.state is RunState.GATED and run.run_id != skip:
+                run.generation += 1
+                run.live = [run.live[-1], run.generation] if run.live else [run.generation]
+                run.state = RunState.WOKEN
+                out.append(Wake(self.scope, key, run.run_id, run.generation, run.payload))
+        return out
+
+    # -- the operations
+
+    def register(self, spec: RunSpec, now: float, confirmed: bool) -> RegisterOutcome:
+        k = self.key(spec.key)
+        if k.find(spec.run_id) is not None:
+            return RegisterOutcome(Registered.EXISTS, len(k.runs))
+        in_flight = len([r for r in k.runs if not k.is_ghost(r, now)])
+        if spec.max_queue_depth is not None and in_flight >= spec.limit + spec.max_queue_depth:
+            return RegisterOutcome(Registered.FULL, in_flight)
+        k.limit = spec.limit
+        k.settled.pop(spec.run_id, None)
+        k.runs.append(
+            MRun(spec.run_id, RunState.PENDING, now, confirmed, 0, [0], spec.lease, spec.orphan_timeout)
+        )
+        return RegisterOutcome(Registered.REGISTERED, in_flight + 1)
+
+    def confirm(self, key: str, run_id: str) -> bool:
+        run = self.key(key).find(run_id)
+        if run is None:
+            return False
+        run.confirmed = True
+        return True
+
+    def unregister(self, key: str, run_id: str) -> bool:
+        k = self.key(key)
+        run = k.find(run_id)
+        if run is None or run.state is not RunState.PENDING:
+            return False
+        k.remove(run_id)
+        return True
+
+    def claim(self, spec: RunSpec, generation: int, payload: bytes | None, now: float) -> ClaimOutcome:
+        k = self.key(spec.key)
+        k.limit = spec.limit
+        evicted = tuple(sorted(self.housekeep(k, now, spec.run_id)))
+        run = k.find(spec.run_id)
+        if run is None:
+            settled = k.marker(spec.run_id, now)
+            if settled is not None and settled != generation:
+                return ClaimOutcome(Decision.STALE, evicted=evicted)
+            k.settled.pop(spec.run_id, None)
+            run = MRun(spec.run_id, RunState.PENDING, now, True, generation, [generation], spec.lease, None)
+            run.orphan = spec.orphan_timeout
+            k.runs.append(run)
+        elif generation not in run.live:
+            wakes = self.wakes(spec.key, k, now, None)
+            return ClaimOutcome(Decision.STALE, evicted=evicted, wakes=tuple(wakes))
+        run.lease, run.orphan = spec.lease, spec.orphan_timeout
+        if run.state is RunState.HOLDING:
+            if run.executing and run.lease_expires_at > now:
+                run.generation += 1
+                run.live = sorted({run.holder_gen, run.generation})
+                return ClaimOutcome(Decision.BUSY, generation=run.generation, evicted=evicted)
+            return self.admit(spec, k, run, generation, now, evicted, takeover=run.executing)
+        run.confirmed = True
+        run.payload = payload
+        if run.state is RunState.PENDING:
+            run.state = RunState.GATED
+        if run in self.owners(k, now):
+            return self.admit(spec, k, run, generation, now, evicted, takeover=False)
+        run.generation += 1
+        run.live = sorted({generation, run.generation})
+        run.state = RunState.GATED
+        wakes = self.wakes(spec.key, k, now, run.run_id)
+        position = k.waiters().index(run) + 1
+        return ClaimOutcome(
+            Decision.GATED, generation=run.generation, position=position, evicted=evicted, wakes=tuple(wakes)
+        )
+
+    def admit(
+        self,
+        spec: RunSpec,
+        k: MKey,
+        run: MRun,
+        generation: int,
+        now: float,
+        evicted: tuple[str, ...],
+        *,
+        takeover: bool,
+    ) -> ClaimOutcome:
+        k.token += 1
+        run.state = RunState.HOLDING
+        run.token = k.token
+        run.holder_gen = generation
+        run.live = [generation]
+        run.admitted_at = run.heartbeat_at = now
+        run.lease_expires_at = now + spec.lease
+        run.executing = True
+        run.payload = None
+        wakes = self.wakes(spec.key, k, now, run.run_id)
+        return ClaimOutcome(
+            Decision.ADMITTED, token=run.token, takeover=takeover, evicted=evicted, wakes=tuple(wakes)
+        )
+
+    def suspend(self, key: str, run_id: str, token: int, now: float, delay: float) -> bool:
+        run = self.key(key).find(run_id)
+        if run is None or run.state is not RunState.HOLDING or run.token != token:
+            return False
+        run.executing = False
+        run.heartbeat_at = now
+        run.lease_expires_at = now + delay + run.lease
+        return True
+
+    def heartbeat(self, refs: list[HolderRef], now: float) -> list[str]:
+        lost = []
+        for ref in refs:
+            run = self.key(ref.key).find(ref.run_id)
+            if run is None or run.state is not RunState.HOLDING or run.token != ref.token:
+                lost.append(ref.run_id)
+                continue
+            run.heartbeat_at = now
+            run.lease_expires_at = now + run.lease
+        return sorted(lost)
+
+    def release(
+        self, key: str, run_id: str, token: int | None, generation: int | None, now: float
+    ) -> ReleaseOutcome:
+        k = self.key(key)
+        evicted = tuple(sorted(self.housekeep(k, now, run_id)))
+        run = k.find(run_id)
+        if run is None:
+            lost = token is not None and k.marker(run_id, now) is None
+            wakes = self.wakes(key, k, now, None) if evicted else []
+            return ReleaseOutcome(released=False, lost=lost, wakes=tuple(wakes), evicted=evicted)
+        if token is not None and (run.state is not RunState.HOLDING or run.token != token):
+            return ReleaseOutcome(released=False, lost=True, evicted=evicted)
+        k.remove(run_id)
+        if run.state is RunState.HOLDING:
+            settled = run.holder_gen
+        else:
+            settled = generation if generation is not None else -1
+        k.settled[run_id] = (settled, now + SETTLED_TTL)
+        wakes = self.wakes(key, k, now, None)
+        return ReleaseOutcome(released=True, wakes=tuple(wakes), evicted=evicted)
+
+    def operator_release(self, run_id: str, now: float) -> ReleaseOutcome | None:
+        for key in sorted(self.keys):
+            if self.keys[key].find(run_id) is not None:
+                return self.release(key, run_id, None, None, now)
+        return None
+
+    def snapshot(self) -> list[KeySnapshot]:
+        snaps = []
+        for key in sorted(self.keys):
+            k = self.keys[key]
+            if not k.runs:
+                continue
+            holders = sorted(k.holders(), key=lambda r: r.token)
+            snaps.append(
+                KeySnapshot(
+                    scope=self.scope,
+                    key=key,
+                    limit=k.limit,
+                    token=k.token,
+                    holders=tuple(
+                        HolderView(
+                            h.run_id, h.token, h.admitted_at, h.heartbeat_at, h.lease_expires_at, h.executing
+                        )
+                        for h in holders
+                    ),
+                    waiters=tuple(
+                        WaiterView(w.run_id, i + 1, w.created_at, w.state, w.confirmed)
+                        for i, w in enumerate(k.waiters())
+                    ),
+                )
+            )
+        return snaps
+
+
+# ---------------------------------------------------------------------------- the machine
+
+
+def normal_claim(outcome: ClaimOutcome) -> ClaimOutcome:
+    return ClaimOutcome(
+        outcome.decision,
+        token=outcome.token,
+        generation=outcome.generation,
+        position=outcome.position,
+        takeover=outcome.takeover,
+        evicted=tuple(sorted(outcome.evicted)),  # several evictions at once: any order
+        wakes=tuple(outcome.wakes),
+    )
+
+
+def normal_release(outcome: ReleaseOutcome) -> ReleaseOutcome:
+    return ReleaseOutcome(
+        outcome.released, outcome.lost, wakes=tuple(outcome.wakes), evicted=tuple(sorted(outcome.evicted))
+    )
+
+
+key_names = st.sampled_from(sorted(KEYS))
+run_numbers = st.integers(min_value=1, max_value=RUNS_PER_KEY)
+
+
+class GateMachine(RuleBasedStateMachine):
+    """Drive a store and the model with the same calls; every answer must agree."""
+
+    store: Store  # set by the test on a subclass
+
+    def __init__(self) -> None:
+        super().__init__()
+        tag = uuid.uuid4().hex[:10]
+        self.tag = tag
+        self.scope = f"model-{tag}"
+        self.model = Model(self.scope)
+        self.now = T0
+        self.step = 0
+        # What the "framework" has seen: generations of copies in flight and tokens handed out.
+        self.generations: dict[tuple[str, str], set[int]] = {}
+        self.latest: dict[tuple[str, str], int] = {}  # the copy a broker would deliver next
+        self.tokens: dict[tuple[str, str], list[int]] = {}
+
+    def run_id(self, key: str, number: int) -> str:
+        return f"{self.tag}-{sorted(KEYS).index(key)}-{number}"
+
+    def spec(self, key: str, run_id: str, depth: int | None = None) -> RunSpec:
+        config = KEYS[key]
+        return RunSpec(self.scope, key, run_id, config.limit, depth, config.lease, config.orphan)
+
+    def learn(self, key: str, run_id: str, outcome: ClaimOutcome | ReleaseOutcome) -> None:
+        # Events show in --hypothesis-show-statistics: proof the rules are reached.
+        if isinstance(outcome, ClaimOutcome):
+            event(f"claim {outcome.decision.value}" + (" takeover" if outcome.takeover else ""))
+        if outcome.wakes:
+            event(f"{type(outcome).__name__} wakes")
+        if outcome.evicted:
+            event(f"{type(outcome).__name__} evicts")
+        if isinstance(outcome, ClaimOutcome):
+            if outcome.generation is not None:
+                self.generations.setdefault((key, run_id), set()).add(outcome.generation)
+                self.latest[(key, run_id)] = outcome.generation
+            if outcome.token is not None:
+                self.tokens.setdefault((key, run_id), []).append(outcome.token)
+        for wake in outcome.wakes:
+            self.generations.setdefault((wake.key, wake.run_id), set()).add(wake.generation)
+            self.latest[(wake.key, wake.run_id)] = wake.generation
+
+    def agree(self, what: str, got: Any, expected: Any) -> None:
+        assert got == expected, f"{what}: store answered {got!r}, model {expected!r}"
+
+    # -- rules
+
+    @rule(key=key_names, number=run_numbers, depth=st.sampled_from([None, 0, 1, 2]), confirmed=st.booleans())
+    def register(self, key: str, number: int, depth: int | None, confirmed: bool) -> None:
+        spec = self.spec(key, self.run_id(key, number), depth)
+        got = self.store.register(spec, now=self.now, confirmed=confirmed)
+        expected = self.model.register(spec, self.now, confirmed)
+        self.agree(f"register {spec.run_id} depth={depth}", got, expected)
+        event(f"register {got.status.value}")
+
+    @precondition(lambda self: any(k.runs for k in self.model.keys.values()))
+    @rule(data=st.data())
+    def deliver(self, data: st.DataObject) -> None:
+        """The common path: the broker delivers the newest copy of a registered run."""
+        runs = [(key, r.run_id) for key, k in sorted(self.model.keys.items()) for r in k.runs]
+        key, run_id = data.draw(st.sampled_from(runs), label="run")
+        self.claim_as(key, run_id, self.latest.get((key, run_id), 0), b"payload")
+
+    @rule(key=key_names, number=run_numbers, data=st.data(), with_payload=st.booleans())
+    def claim(self, key: str, number: int, data: st.DataObject, with_payload: bool) -> None:
+        run_id = self.run_id(key, number)
+        # Mostly the copy the broker would deliver; sometimes an older one or one never issued.
+        latest = self.latest.get((key, run_id), 0)
+        known = [latest] * 4 + sorted(self.generations.get((key, run_id), set()) | {0, BOGUS})
+        generation = data.draw(st.sampled_from(known), label="generation")
+        self.step += 1
+        payload = f"{run_id}@{self.step}\0".encode() if with_payload else None
+        self.claim_as(key, run_id, generation, payload)
+
+    def claim_as(self, key: str, run_id: str, generation: int, payload: bytes | None) -> None:
+        spec = self.spec(key, run_id)
+        got = normal_claim(self.store.claim(spec, generation, payload, now=self.now))
+        expected = self.model.claim(spec, generation, payload, self.now)
+        self.agree(f"claim {run_id} generation={generation}", got, expected)
+        self.learn(key, run_id, got)
+
+    @rule(key=key_names, number=run_numbers, data=st.data(), delay=st.sampled_from([1.0, 8.0]))
+    def suspend(self, key: str, number: int, data: st.DataObject, delay: float) -> None:
+        run_id = self.run_id(key, number)
+        tokens = self.tokens.get((key, run_id), [])
+        token = data.draw(st.sampled_from([*tokens[-1:] * 3, *tokens, BOGUS]), label="token")
+        got = self.store.suspend(self.scope, key, run_id, token, now=self.now, delay=delay)
+        expected = self.model.suspend(key, run_id, token, self.now, delay)
+        self.agree(f"suspend {run_id} token={token}", got, expected)
+
+    @precondition(lambda self: bool(self.tokens) and self.step % 2 == 0)
+    @rule(data=st.data())
+    def heartbeat(self, data: st.DataObject) -> None:
+        known = [
+            HolderRef(self.scope, key, run_id, token)
+            for (key, run_id), tokens in sorted(self.tokens.items())
+            for token in tokens[-2:]
+        ]
+        refs = data.draw(st.lists(st.sampled_from(known), max_size=4, unique=True), label="refs")
+        got = sorted(self.store.heartbeat(refs, now=self.now))
+        self.agree(f"heartbeat {refs}", got, self.model.heartbeat(refs, self.now))
+        event(f"heartbeat lost={len(got)}")
+
+    @rule(key=key_names, number=run_numbers, data=st.data())
+    def release(self, key: str, number: int, data: st.DataObject) -> None:
+        run_id = self.run_id(key, number)
+        tokens = self.tokens.get((key, run_id), [])
+        token = data.draw(st.sampled_from([*tokens[-1:] * 3, None, *tokens, BOGUS]), label="token")
+        generations = sorted(self.generations.get((key, run_id), set()) | {0})
+        generation = data.draw(st.one_of(st.none(), st.sampled_from(generations)), label="generation")
+        got = normal_release(
+            self.store.release(self.scope, key, run_id, token=token, generation=generation, now=self.now)
+        )
+        expected = self.model.release(key, run_id, token, generation, self.now)
+        self.agree(f"release {run_id} token={token} generation={generation}", got, expected)
+        event(f"release released={got.released} lost={got.lost}")
+        self.learn(key, run_id, got)
+
+    @precondition(lambda self: any(k.holders() for k in self.model.keys.values()))
+    @rule(data=st.data())
+    def settle(self, data: st.DataObject) -> None:
+        """The common path: a holder's body ends and it releases with its token."""
+        held = [(key, h.run_id) for key, k in sorted(self.model.keys.items()) for h in k.holders()]
+        key, run_id = data.draw(st.sampled_from(held), label="holder")
+        token = self.tokens[(key, run_id)][-1]
+        got = normal_release(self.store.release(self.scope, key, run_id, token=token, now=self.now))
+        expected = self.model.release(key, run_id, token, None, self.now)
+        self.agree(f"settle {run_id} token={token}", got, expected)
+        event(f"settle released={got.released}")
+        self.learn(key, run_id, got)
+
+    @rule(key=key_names, number=run_numbers)
+    def confirm(self, key: str, number: int) -> None:
+        run_id = self.run_id(key, number)
+        got = self.store.confirm(self.scope, key, run_id, now=self.now)
+        self.agree(f"confirm {run_id}", got, self.model.confirm(key, run_id))
+
+    @rule(key=key_names, number=run_numbers)
+    def unregister(self, key: str, number: int) -> None:
+        run_id = self.run_id(key, number)
+        got = self.store.unregister(self.scope, key, run_id, now=self.now)
+        self.agree(f"unregister {run_id}", got, self.model.unregister(key, run_id))
+
+    @precondition(lambda self: self.step % 3 == 0)
+    @rule(key=key_names, number=run_numbers)
+    def operator_release(self, key: str, number: int) -> None:
+        run_id = self.run_id(key, number)
+        got = self.store.operator_release(run_id, now=self.now)
+        expected = self.model.operator_release(run_id, self.now)
+        self.agree(f"operator_release {run_id}", None if got is None else normal_release(got), expected)
+        if got is not None:
+            self.learn(key, run_id, got)
+
+    @rule(seconds=st.sampled_from([0.0, 0.5, 1.0, 2.5, 4.0, 6.0, 11.0, 25.0, 45.0]))
+    def tick(self, seconds: float) -> None:
+        self.now += seconds
+
+    @precondition(lambda self: any(k.runs for k in self.model.keys.values()))
+    @rule(data=st.data(), past=st.sampled_from([0.0, 0.5]))
+    def deliver_at_a_deadline(self, data: st.DataObject, past: float) -> None:
+        """Land exactly on (or just past) a run's deadline, then deliver a run of its key.
+
+        Deadlines: a lease's end, an orphan's eviction, a waiter's passing over, a ghost's
+        expiry, a settled marker's expiry; exact equality is where ``<`` and ``<=`` differ.
+        """
+        deadlines = []
+        for key, k in sorted(self.model.keys.items()):
+            for run in k.runs:
+                if run.state is RunState.PENDING and not run.confirmed:
+                    deadlines.append((key, run.created_at + GRACE))
+                if run.state is RunState.HOLDING:
+                    deadlines.append((key, run.lease_expires_at))
+                    if run.orphan is not None:
+                        deadlines.append((key, run.lease_expires_at + run.orphan))
+                elif run.state is RunState.PENDING and run.orphan is not None:
+                    deadlines.append((key, run.created_at + run.orphan))
+            deadlines += [(key, expires) for _gen, expires in k.settled.values()]
+        future = [(key, at) for key, at in deadlines if at >= self.now]
+        if not future:
+            return
+        key, at = data.draw(st.sampled_from(future), label="deadline")
+        self.now = at + past
+        runs = [r.run_id for r in self.model.key(key).runs] + [self.run_id(key, n) for n in (1, 2)]
+        run_id = data.draw(st.sampled_from(runs), label="run")
+        self.claim_as(key, run_id, self.latest.get((key, run_id), 0), b"payload")
+
+    @invariant()
+    def snapshots_agree(self) -> None:
+        # Key by key: a whole-namespace snapshot is an operator's tool and may scan the server.
+        got = []
+        for key in sorted(KEYS):
+            got += self.store.snapshot(now=self.now, scope=self.scope, key=key)
+        self.agree("snapshot", got, self.model.snapshot())
+
+    def teardown(self) -> None:
+        # Leave nothing behind on the shared server for the next example.
+        for snap in self.store.snapshot(now=self.now, scope=self.scope):
+            for run_id in [h.run_id for h in snap.holders] + [w.run_id for w in snap.waiters]:
+                self.store.release(self.scope, snap.key, run_id, token=None, now=self.now)
+
+
+def machine_for(store: Store, model: type[Model] = Model) -> type[GateMachine]:
+    def init(self: GateMachine) -> None:
+        GateMachine.__init__(self)
+        self.model = model(self.scope)
+
+    return type("GateMachineOnStore", (GateMachine,), {"store": store, "__init__": init})
+
+
+@pytest.mark.timeout(900)  # only a failure takes long: Hypothesis then shrinks the sequence
+def test_store_agrees_with_the_model(backend: str, store_factory: Callable[..., Store]) -> None:
+    store = store_factory(timings=Timings(registration_grace=GRACE, settled_ttl=SETTLED_TTL))
+    many = backend == "memory"
+    run_state_machine_as_test(
+        machine_for(store),
+        settings=settings(
+            max_examples=200 if many else 25,
+            stateful_step_count=50 if many else 30,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+            database=None,
+        ),
+    )
+
+
+class ForgetfulModel(Model):
+    """A model that never notifies waiters on release: the comparison must catch it."""
+
+    def wakes(self, key: str, k: MKey, now: float, skip: str | None) -> list[Wake]:
+        return []
+
+
+def test_a_wrong_model_is_caught() -> None:
+    store = MemoryStore(f"memory://model-{uuid.uuid4().hex}", timings=Timings(GRACE, SETTLED_TTL))
+    with pytest.raises(AssertionError, match="store answered"):
+        run_state_machine_as_test(
+            machine_for(store, ForgetfulModel),
+            settings=settings(
+                max_examples=500,
+                stateful_step_count=50,
+                deadline=None,
+                database=None,
+                phases=[Phase.generate],  # the first failure is enough; no shrinking
+                suppress_health_check=list(HealthCheck),
+            ),
+        )

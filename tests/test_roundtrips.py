@@ -1,0 +1,157 @@
+"""What an operation costs on Redis: one EVALSHA each, nothing else (SPEC §8, §10).
+
+The test starts its own redis-server so that no other client's traffic is counted. What
+the store sends is read with MONITOR, where commands that a Lua script runs inside the server
+show as ``lua`` and are not round trips; ``INFO commandstats`` deltas cross-check the count
+(they include commands run inside scripts, so alone they cannot tell a round trip apart).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+redis = pytest.importorskip("redis")
+
+from singleton_tasks import Store, store_from_url  # noqa: E402
+from singleton_tasks.outcomes import Decision, HolderRef, Registered, RunSpec  # noqa: E402
+
+pytestmark = pytest.mark.redis
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A private redis-server on a free loopback port, stopped after the module."""
+    executable = shutil.which("redis-server")
+    if executable is None:
+        if os.environ.get("CI"):
+            pytest.fail("redis-server is not installed (CI is set)")
+        pytest.skip("redis-server is not installed")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    directory: Path = tmp_path_factory.mktemp("redis")
+    server = subprocess.Popen(
+        [executable, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
+         "--dir", str(directory)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        client = redis.Redis.from_url(url)
+        deadline = time.monotonic() + 10
+        while True:  # waiting for a server we just started, not polling library state
+            try:
+                client.ping()
+                break
+            except redis.exceptions.ConnectionError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    pytest.fail(f"redis-server on port {port} did not start")
+                time.sleep(0.05)
+        client.close()
+        yield url
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+@pytest.fixture
+def store(redis_url: str) -> Iterator[Store]:
+    store = store_from_url(redis_url, namespace=f"rt{uuid.uuid4().hex[:10]}")
+    store.migrate()
+    # Load every script and open the connection, so the measured calls are warm.
+    spec = RunSpec("warm", "up", "w", limit=1)
+    store.register(spec, now=1.0)
+    outcome = store.claim(spec, 0, None, now=1.0)
+    assert outcome.token is not None
+    store.heartbeat([HolderRef("warm", "up", "w", outcome.token)], now=1.0)
+    store.suspend("warm", "up", "w", outcome.token, now=1.0, delay=1.0)
+    store.release("warm", "up", "w", token=outcome.token, now=1.0)
+    yield store
+    store.close()
+
+
+def commands_sent(url: str, action: Callable[[], Any]) -> tuple[Any, list[str], dict[str, int]]:
+    """Run ``action``; its result, the commands clients sent meanwhile, the commandstats deltas."""
+    client, watcher = redis.Redis.from_url(url), redis.Redis.from_url(url)
+    me = client.client_info()["addr"]  # the measuring connection: its commands are not the store's
+    marker = f"end-of-measure-{uuid.uuid4().hex}"
+
+    def stats() -> dict[str, int]:
+        return {name: int(entry["calls"]) for name, entry in client.info("commandstats").items()}
+
+    with watcher.monitor() as monitor:
+        before = stats()
+        result = action()
+        after = stats()
+        client.echo(marker)
+        sent = []
+        while True:
+            command = monitor.next_command()
+            if marker in command["command"]:
+                break
+            source = f"{command.get('client_address')}:{command.get('client_port')}"
+            if command.get("client_type") != "lua" and source != me:
+                sent.append(command["command"])
+    client.close()
+    watcher.close()
+    deltas = {name: after.get(name, 0) - before.get(name, 0) for name in after}
+    deltas.pop("cmdstat_info", None)  # the measuring INFO itself
+    return result, sent, {name: n for name, n in deltas.items() if n}
+
+
+def assert_one_evalsha(sent: list[str], deltas: dict[str, int]) -> None:
+    assert len(sent) == 1 and sent[0].upper().startswith("EVALSHA"), sent
+    assert deltas.get("cmdstat_evalsha") == 1, deltas
+    assert not {"cmdstat_eval", "cmdstat_script|load", "cmdstat_multi", "cmdstat_exec"} & set(deltas), deltas
+
+
+def test_uncontended_run_costs_three_round_trips(store: Store, redis_url: str) -> None:
+    spec = RunSpec("tasks.sync", "store:7", "run-1", limit=1, max_queue_depth=2)
+    outcome, sent, deltas = commands_sent(redis_url, lambda: store.register(spec, now=10.0))
+    assert outcome.status is Registered.REGISTERED
+    assert_one_evalsha(sent, deltas)
+    outcome, sent, deltas = commands_sent(redis_url, lambda: store.claim(spec, 0, b"payload", now=11.0))
+    assert outcome.decision is Decision.ADMITTED
+    assert_one_evalsha(sent, deltas)
+    token = outcome.token
+    outcome, sent, deltas = commands_sent(
+        redis_url, lambda: store.release("tasks.sync", "store:7", "run-1", token=token, now=12.0)
+    )
+    assert outcome.released
+    assert_one_evalsha(sent, deltas)
+
+
+def test_gating_and_handoff_cost_one_round_trip_each(store: Store, redis_url: str) -> None:
+    holder, waiter = RunSpec("tasks.sync", "k", "holder"), RunSpec("tasks.sync", "k", "waiter")
+    token = store.claim(holder, 0, None, now=10.0).token
+    outcome, sent, deltas = commands_sent(redis_url, lambda: store.claim(waiter, 0, b"p", now=11.0))
+    assert outcome.decision is Decision.GATED
+    assert_one_evalsha(sent, deltas)
+    outcome, sent, deltas = commands_sent(
+        redis_url, lambda: store.release("tasks.sync", "k", "holder", token=token, now=12.0)
+    )
+    assert [w.run_id for w in outcome.wakes] == ["waiter"]  # the wake is decided in the same call
+    assert_one_evalsha(sent, deltas)
+
+
+def test_heartbeat_of_many_holders_is_one_round_trip(store: Store, redis_url: str) -> None:
+    refs = []
+    for i in range(5):
+        spec = RunSpec("tasks.sync", f"key-{i}", f"run-{i}")
+        token = store.claim(spec, 0, None, now=10.0).token
+        assert token is not None
+        refs.append(HolderRef("tasks.sync", f"key-{i}", f"run-{i}", token))
+    lost, sent, deltas = commands_sent(redis_url, lambda: store.heartbeat(refs, now=11.0))
+    assert lost == []
+    assert_one_evalsha(sent, deltas)
