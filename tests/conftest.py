@@ -78,6 +78,31 @@ def store_factory(backend: str, tmp_path: Path) -> Iterator[StoreFactory]:
     yield make
     for store in made:
         store.close()
+    purge_namespaces(backend, url, {store.namespace for store in made})
+
+
+def purge_namespaces(backend: str, url: str, namespaces: set[str]) -> None:
+    """Leave the shared test servers as found: drop what the test's namespaces wrote."""
+    if backend == "redis":
+        import redis
+
+        client = redis.Redis.from_url(url)
+        try:
+            for namespace in namespaces:
+                batch = list(client.scan_iter(match=f"{namespace}:*", count=1000))
+                for start in range(0, len(batch), 500):
+                    client.delete(*batch[start : start + 500])
+        finally:
+            client.close()
+    elif backend == "postgres":
+        import psycopg
+
+        with psycopg.connect(url, autocommit=True) as connection:
+            for table in ("singleton_runs", "singleton_settled", "singleton_keys"):
+                connection.execute(
+                    f"DELETE FROM {table} WHERE namespace = ANY(%s)",  # type: ignore[arg-type]
+                    [sorted(namespaces)],
+                )
 
 
 @pytest.fixture

@@ -45,7 +45,7 @@ class PostgresStore(SQLStore):
         timings: Timings | None = None,
         min_size: int = 1,
         max_size: int = 10,
-        timeout: float = 30.0,
+        timeout: float = 5.0,
     ) -> None:
         super().__init__(url, namespace=namespace, timings=timings)
         if not (
