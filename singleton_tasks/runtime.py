@@ -201,15 +201,16 @@ class Gatekeeper:
                     outcome.token,
                 )
             self.heartbeats.track(HolderRef(spec.scope, spec.key, spec.run_id, outcome.token or 0))
-        logger.debug(
-            "%s run %s key %r gen %s: %s%s",
-            task_name,
-            spec.run_id,
-            spec.key,
-            generation,
-            outcome.decision.value,
-            f" (position {outcome.position})" if outcome.position else "",
-        )
+        if logger.isEnabledFor(logging.DEBUG):  # every delivery passes here: build nothing when off
+            logger.debug(
+                "%s run %s key %r gen %s: %s%s",
+                task_name,
+                spec.run_id,
+                spec.key,
+                generation,
+                outcome.decision.value,
+                f" (position {outcome.position})" if outcome.position else "",
+            )
         return outcome
 
     def suspend(self, spec: RunSpec, token: int, delay: float) -> None:

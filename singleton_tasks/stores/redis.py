@@ -8,6 +8,7 @@ scope and key, so the store works on Redis Cluster and any key text round-trips 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from collections.abc import Iterator, Sequence
@@ -40,11 +41,36 @@ _GLOB_SPECIAL = re.compile(rb"([*?\[\]\\])")
 _TAG_PATTERN = b"{" + b"[0-9a-f]" * 40 + b"}"
 
 
+# Replies as the scripts spell them (a dict lookup is cheaper than an Enum call by value).
+_DECISIONS = {d.value.encode(): d for d in Decision}
+_REGISTERED = {r.value.encode(): r for r in Registered}
+
+
 def _load_scripts() -> dict[str, str]:
     """Each operation's script: ``lib.lua`` (shared helpers) followed by the operation."""
     folder = resources.files(__package__ or "singleton_tasks.stores") / "lua"
     lib = (folder / "lib.lua").read_text(encoding="utf-8")
     return {name: lib + "\n" + (folder / f"{name}.lua").read_text(encoding="utf-8") for name in _OPERATIONS}
+
+
+@functools.lru_cache(maxsize=4096)
+def _hash_tag(scope: str, key: str) -> bytes:
+    """``{<sha1>}``: the digest of the scope and key (bounded cache: hot keys are derived once)."""
+    scope_b, key_b = _text(scope), _text(key)
+    # The length prefix keeps (scope, key) pairs apart even if the scope holds a NUL.
+    return b"{" + hashlib.sha1(b"%d\0%s\0%s" % (len(scope_b), scope_b, key_b)).hexdigest().encode() + b"}"
+
+
+@functools.lru_cache(maxsize=16)
+def _timing_args(timings: Timings) -> tuple[bytes, bytes]:
+    """The encoded registration grace and settled-marker TTL."""
+    return _time(timings.registration_grace), _time(timings.settled_ttl)
+
+
+@functools.lru_cache(maxsize=256)
+def _spec_args(limit: int, lease: float, orphan_timeout: float | None) -> tuple[bytes, bytes, bytes]:
+    """The encoded per-task options of a RunSpec (few distinct values per process)."""
+    return _int(limit), _time(lease), _opt_time(orphan_timeout)
 
 
 def _text(value: str) -> bytes:
@@ -158,15 +184,13 @@ class RedisStore(Store):
             name: self._client.register_script(text) for name, text in _load_scripts().items()
         }
         self._ns = _text(self.namespace)
+        self._ns_colon = self._ns + b":"
 
     # -- keys ---------------------------------------------------------------------------------
 
     def _prefix(self, scope: str, key: str) -> bytes:
         """``<namespace>:{<sha1>}:``: the hash tag is a digest, never the user's text."""
-        scope_b, key_b = _text(scope), _text(key)
-        # The length prefix keeps (scope, key) pairs apart even if the scope holds a NUL.
-        digest = hashlib.sha1(b"%d\0%s\0%s" % (len(scope_b), scope_b, key_b)).hexdigest()
-        return self._ns + b":{" + digest.encode() + b"}:"
+        return self._ns_colon + _hash_tag(scope, key) + b":"
 
     def _keys(self, scope: str, key: str, run_id: str) -> list[bytes]:
         prefix, run = self._prefix(scope, key), _text(run_id)
@@ -189,20 +213,42 @@ class RedisStore(Store):
         raise StoreUnavailableError(f"{self!r}: {type(error).__name__}: {error}") from error
 
     def _run(self, name: str, keys: Sequence[bytes], args: Sequence[bytes | str]) -> Any:
-        """One EVALSHA (redis-py reloads the script once on NOSCRIPT)."""
+        return self._eval(name, len(keys), *keys, *args)
+
+    def _eval(self, name: str, numkeys: int, *keys_and_args: bytes | str) -> Any:
+        """One EVALSHA; the script is loaded again once on NOSCRIPT (a flushed or new server)."""
+        script = self._scripts[name]
         try:
-            return self._scripts[name](keys=list(keys), args=list(args))
+            try:
+                return self._client.evalsha(script.sha, numkeys, *keys_and_args)
+            except redis.exceptions.NoScriptError:
+                script.sha = self._client.script_load(script.script)
+                return self._client.evalsha(script.sha, numkeys, *keys_and_args)
         except redis.exceptions.RedisError as error:
             self._fail(error)
 
     def _key_op(self, name: str, scope: str, key: str, run_id: str, *args: bytes) -> Any:
-        return self._run(
-            name, self._keys(scope, key, run_id), [_text(scope), _text(key), _text(run_id), *args]
+        """A per-key script: lib.lua's KEYS layout, then ARGV scope, key, run id and ``args``."""
+        prefix, run = self._ns_colon + _hash_tag(scope, key) + b":", _text(run_id)
+        return self._eval(
+            name,
+            6,
+            prefix + b"meta",
+            prefix + b"waiters",
+            prefix + b"holders",
+            prefix + b"ghosts",
+            prefix + b"run:" + run,
+            prefix + b"settled:" + run,
+            _text(scope),
+            _text(key),
+            run,
+            *args,
         )
 
     # -- the protocol -------------------------------------------------------------------------
 
     def register(self, spec: RunSpec, *, now: float, confirmed: bool = True) -> RegisterOutcome:
+        limit, lease, orphan_timeout = _spec_args(spec.limit, spec.lease, spec.orphan_timeout)
         status, in_flight = self._key_op(
             "register",
             spec.scope,
@@ -210,13 +256,13 @@ class RedisStore(Store):
             spec.run_id,
             _time(now),
             b"1" if confirmed else b"0",
-            _int(spec.limit),
+            limit,
             _opt_int(spec.max_queue_depth),
-            _time(spec.lease),
-            _opt_time(spec.orphan_timeout),
-            _time(self.timings.registration_grace),
+            lease,
+            orphan_timeout,
+            _timing_args(self.timings)[0],
         )
-        return RegisterOutcome(Registered(status.decode()), int(in_flight))
+        return RegisterOutcome(_REGISTERED[status], int(in_flight))
 
     def confirm(self, scope: str, key: str, run_id: str, *, now: float) -> bool:
         return bool(self._key_op("confirm", scope, key, run_id))
@@ -227,6 +273,7 @@ class RedisStore(Store):
     def claim(
         self, spec: RunSpec, generation: int, payload: bytes | None = None, *, now: float
     ) -> ClaimOutcome:
+        limit, lease, orphan_timeout = _spec_args(spec.limit, spec.lease, spec.orphan_timeout)
         decision, token, new_generation, position, takeover, evicted, wakes = self._key_op(
             "claim",
             spec.scope,
@@ -234,15 +281,15 @@ class RedisStore(Store):
             spec.run_id,
             _time(now),
             _int(generation),
-            _int(spec.limit),
-            _time(spec.lease),
-            _opt_time(spec.orphan_timeout),
-            _time(self.timings.registration_grace),
+            limit,
+            lease,
+            orphan_timeout,
+            _timing_args(self.timings)[0],
             b"0" if payload is None else b"1",
             b"" if payload is None else bytes(payload),
         )
         return ClaimOutcome(
-            Decision(decision.decode()),
+            _DECISIONS[decision],
             token=_maybe_int(token),
             generation=_maybe_int(new_generation),
             position=_maybe_int(position),
@@ -272,8 +319,7 @@ class RedisStore(Store):
             _time(now),
             _opt_int(token),
             _opt_int(generation),
-            _time(self.timings.registration_grace),
-            _time(self.timings.settled_ttl),
+            *_timing_args(self.timings),
         )
         return ReleaseOutcome(
             released=bool(released), lost=bool(lost), wakes=_wakes(scope, key, wakes), evicted=_names(evicted)

@@ -45,6 +45,7 @@ local function admit(run, takeover)
 end
 
 local run = load_run(run_id)
+local first_sight = run == nil
 if run == nil then
   local settled = settled_generation(run_id, now)
   if settled ~= nil and settled ~= generation then
@@ -78,9 +79,14 @@ run.payload = payload or nil
 if run.state == 'pending' then
   run.state = 'gated' -- delivered: it takes its place again (SPEC §6)
 end
-save_run(run)
-for _, owner in ipairs(slot_owners(meta.limit - redis.call('ZCARD', K.holders), now)) do
-  if owner.run_id == run_id then
+if first_sight then
+  save_run(run) -- into the line (at its back) before the slots are counted
+end
+-- A registered run is already in the line: its slot is judged from this record (gated or
+-- woken, never passed over) without saving it first, so an admitted run writes once and
+-- its payload never reaches the store.
+for _, owner in ipairs(slot_owners(meta.limit - zcard(K.holders), now, run)) do
+  if owner[1] == run_id then
     return admit(run, false)
   end
 end

@@ -21,6 +21,12 @@
 --
 -- Numbers: times come in as Python repr() strings and are stored as '%.17g', which reads back
 -- as the very same double (Lua numbers are doubles, like Python floats); integers as '%d'.
+--
+-- Cost: every call runs on the hot path of every singleton run, so records are read with HMGET
+-- of the fields a rule needs (never the payload unless a wake publishes it) and written back
+-- field by field, only where a value changed; the indexes are touched only when the fields they
+-- index changed. Both rely on the invariant that save_run/delete_run are the only writers of a
+-- run's hash and indexes (heartbeat.lua only moves lease times, which no index holds).
 
 -- luacheck: globals ARGV KEYS redis
 
@@ -58,14 +64,45 @@ local function settled_key(run_id)
   return K.prefix .. 'settled:' .. run_id
 end
 
+-- Index sizes -------------------------------------------------------------------------------
+
+-- The sizes of the holders and waiters zsets, read at most once per call and kept in step by
+-- every write to them (ZADD / ZREM answer how many members they added / removed).
+local SIZE = {}
+
+local function zcard(index)
+  local n = SIZE[index]
+  if n == nil then
+    n = redis.call('ZCARD', index)
+    SIZE[index] = n
+  end
+  return n
+end
+
+local function zadd(index, score, member)
+  local added = redis.call('ZADD', index, score, member)
+  if SIZE[index] ~= nil then
+    SIZE[index] = SIZE[index] + added
+  end
+end
+
+local function zrem(index, member)
+  local removed = redis.call('ZREM', index, member)
+  if SIZE[index] ~= nil then
+    SIZE[index] = SIZE[index] - removed
+  end
+end
+
 -- KeyMeta ------------------------------------------------------------------------------------
 
+-- meta.saved: the stored values, so save_meta writes only what changed (nil: a new key).
 local function load_meta()
   local v = redis.call('HMGET', K.meta, 'token', 'seq', 'limit')
   if not v[1] then
     return nil
   end
-  return { token = tonumber(v[1]), seq = tonumber(v[2]), limit = tonumber(v[3]) }
+  local token, seq, limit = tonumber(v[1]), tonumber(v[2]), tonumber(v[3])
+  return { token = token, seq = seq, limit = limit, saved = { token = token, seq = seq, limit = limit } }
 end
 
 local function default_meta()
@@ -73,8 +110,30 @@ local function default_meta()
 end
 
 local function save_meta(meta)
-  redis.call('HSET', K.meta, 'scope', K.scope, 'key', K.key, 'token', int(meta.token),
-    'seq', int(meta.seq), 'limit', int(meta.limit))
+  local old = meta.saved
+  if old == nil then
+    redis.call('HSET', K.meta, 'scope', K.scope, 'key', K.key, 'token', int(meta.token),
+      'seq', int(meta.seq), 'limit', int(meta.limit))
+  else
+    -- A stored meta hash always holds scope and key: every first write puts them.
+    local a = {}
+    if meta.token ~= old.token then
+      a[#a + 1] = 'token'
+      a[#a + 1] = int(meta.token)
+    end
+    if meta.seq ~= old.seq then
+      a[#a + 1] = 'seq'
+      a[#a + 1] = int(meta.seq)
+    end
+    if meta.limit ~= old.limit then
+      a[#a + 1] = 'limit'
+      a[#a + 1] = int(meta.limit)
+    end
+    if #a > 0 then
+      redis.call('HSET', K.meta, unpack(a))
+    end
+  end
+  meta.saved = { token = meta.token, seq = meta.seq, limit = meta.limit }
 end
 
 -- RunRecord ----------------------------------------------------------------------------------
@@ -114,90 +173,169 @@ local function sorted_pair(a, b)
   return { b, a }
 end
 
+-- run.payload == STORED: whatever the hash holds, not read (see run_payload); nil: None.
+local STORED = {}
+
+-- run.saved: the stored values of the fields (live as its text), compared by save_run.
+local function remember(run, live_text)
+  run.saved = {
+    seq = run.seq,
+    state = run.state,
+    created_at = run.created_at,
+    confirmed = run.confirmed,
+    generation = run.generation,
+    live = live_text,
+    token = run.token,
+    holder_generation = run.holder_generation,
+    admitted_at = run.admitted_at,
+    heartbeat_at = run.heartbeat_at,
+    lease_expires_at = run.lease_expires_at,
+    executing = run.executing,
+    lease = run.lease,
+    orphan_timeout = run.orphan_timeout,
+  }
+end
+
 local function load_run(run_id)
-  local flat = redis.call('HGETALL', run_key(run_id))
-  if #flat == 0 then
+  local v = redis.call('HMGET', run_key(run_id), 'seq', 'state', 'created_at', 'confirmed', 'generation',
+    'live', 'token', 'holder_generation', 'admitted_at', 'heartbeat_at', 'lease_expires_at', 'executing',
+    'lease', 'orphan_timeout')
+  if not v[2] then
+    return nil -- save_run writes every field: no state, no record
+  end
+  local run = {
+    run_id = run_id,
+    seq = tonumber(v[1]),
+    state = v[2],
+    created_at = tonumber(v[3]),
+    confirmed = v[4] == '1',
+    generation = tonumber(v[5]),
+    live = parse_live(v[6]),
+    payload = STORED,
+    token = tonumber(v[7]),
+    holder_generation = tonumber(v[8]),
+    admitted_at = tonumber(v[9]),
+    heartbeat_at = tonumber(v[10]),
+    lease_expires_at = tonumber(v[11]),
+    executing = v[12] == '1',
+    lease = tonumber(v[13]),
+    orphan_timeout = opt_number(v[14]),
+  }
+  remember(run, v[6] or '')
+  return run
+end
+
+-- The fields that settling a run reads: {state, confirmed, token, holder_generation}, or nil.
+local function load_brief(run_id)
+  local v = redis.call('HMGET', run_key(run_id), 'state', 'confirmed', 'token', 'holder_generation')
+  if not v[1] then
     return nil
   end
-  local h = {}
-  for i = 1, #flat, 2 do
-    h[flat[i]] = flat[i + 1]
+  return { state = v[1], confirmed = v[2] == '1', token = tonumber(v[3]), holder_generation = tonumber(v[4]) }
+end
+
+-- The run's payload (bytes) or nil (None), read from the hash if it was not set in this call.
+local function run_payload(run)
+  if run.payload == STORED then
+    run.payload = redis.call('HGET', run_key(run.run_id), 'payload') or nil
   end
-  return {
-    run_id = run_id,
-    seq = tonumber(h.seq),
-    state = h.state,
-    created_at = tonumber(h.created_at),
-    confirmed = h.confirmed == '1',
-    generation = tonumber(h.generation),
-    live = parse_live(h.live),
-    payload = h.payload, -- nil: None; a field, even '', is a payload
-    token = tonumber(h.token),
-    holder_generation = tonumber(h.holder_generation),
-    admitted_at = tonumber(h.admitted_at),
-    heartbeat_at = tonumber(h.heartbeat_at),
-    lease_expires_at = tonumber(h.lease_expires_at),
-    executing = h.executing == '1',
-    lease = tonumber(h.lease),
-    orphan_timeout = opt_number(h.orphan_timeout),
-  }
+  return run.payload
+end
+
+local function put(a, field, text)
+  a[#a + 1] = field
+  a[#a + 1] = text
+end
+
+local function is_ghost(state, confirmed)
+  return state == 'pending' and not confirmed
 end
 
 -- save_run keeps the indexes in step with the record: holders by token, every other run among
 -- the waiters by seq, and pending unconfirmed ones among the ghosts by created_at.
 local function save_run(run)
   local key = run_key(run.run_id)
-  redis.call('HSET', key,
-    'seq', int(run.seq),
-    'state', run.state,
-    'created_at', num(run.created_at),
-    'confirmed', run.confirmed and '1' or '0',
-    'generation', int(run.generation),
-    'live', format_live(run.live),
-    'token', int(run.token),
-    'holder_generation', int(run.holder_generation),
-    'admitted_at', num(run.admitted_at),
-    'heartbeat_at', num(run.heartbeat_at),
-    'lease_expires_at', num(run.lease_expires_at),
-    'executing', run.executing and '1' or '0',
-    'lease', num(run.lease),
-    'orphan_timeout', run.orphan_timeout and num(run.orphan_timeout) or '')
-  if run.payload then
-    redis.call('HSET', key, 'payload', run.payload)
-  else
-    redis.call('HDEL', key, 'payload')
+  local old = run.saved -- nil: a new record, in no index yet
+  local live = format_live(run.live)
+  local orphan = run.orphan_timeout
+  local a = {}
+  -- Texts are formatted only for the fields that are written.
+  if old == nil or run.seq ~= old.seq then put(a, 'seq', int(run.seq)) end
+  if old == nil or run.state ~= old.state then put(a, 'state', run.state) end
+  if old == nil or run.created_at ~= old.created_at then put(a, 'created_at', num(run.created_at)) end
+  if old == nil or run.confirmed ~= old.confirmed then put(a, 'confirmed', run.confirmed and '1' or '0') end
+  if old == nil or run.generation ~= old.generation then put(a, 'generation', int(run.generation)) end
+  if old == nil or live ~= old.live then put(a, 'live', live) end
+  if old == nil or run.token ~= old.token then put(a, 'token', int(run.token)) end
+  if old == nil or run.holder_generation ~= old.holder_generation then
+    put(a, 'holder_generation', int(run.holder_generation))
+  end
+  if old == nil or run.admitted_at ~= old.admitted_at then put(a, 'admitted_at', num(run.admitted_at)) end
+  if old == nil or run.heartbeat_at ~= old.heartbeat_at then put(a, 'heartbeat_at', num(run.heartbeat_at)) end
+  if old == nil or run.lease_expires_at ~= old.lease_expires_at then
+    put(a, 'lease_expires_at', num(run.lease_expires_at))
+  end
+  if old == nil or run.executing ~= old.executing then put(a, 'executing', run.executing and '1' or '0') end
+  if old == nil or run.lease ~= old.lease then put(a, 'lease', num(run.lease)) end
+  if old == nil or orphan ~= old.orphan_timeout then put(a, 'orphan_timeout', orphan and num(orphan) or '') end
+  if run.payload ~= STORED then
+    if run.payload then
+      put(a, 'payload', run.payload)
+    elseif old ~= nil and (old.state == 'gated' or old.state == 'woken') then
+      -- Only a delivered, not admitted run keeps a payload (claim stores it, admit drops it).
+      redis.call('HDEL', key, 'payload')
+    end
+  end
+  if #a > 0 then
+    redis.call('HSET', key, unpack(a))
   end
   if run.state == 'holding' then
-    redis.call('ZREM', K.waiters, run.run_id)
-    redis.call('ZADD', K.holders, int(run.token), run.run_id)
+    if old == nil or old.state ~= 'holding' then
+      if old ~= nil then
+        zrem(K.waiters, run.run_id)
+      end
+      zadd(K.holders, int(run.token), run.run_id)
+    elseif run.token ~= old.token then
+      zadd(K.holders, int(run.token), run.run_id)
+    end
   else
-    redis.call('ZREM', K.holders, run.run_id)
-    redis.call('ZADD', K.waiters, int(run.seq), run.run_id)
+    if old ~= nil and old.state == 'holding' then
+      zrem(K.holders, run.run_id)
+      zadd(K.waiters, int(run.seq), run.run_id)
+    elseif old == nil or run.seq ~= old.seq then
+      zadd(K.waiters, int(run.seq), run.run_id)
+    end
   end
-  if run.state == 'pending' and not run.confirmed then
-    redis.call('ZADD', K.ghosts, num(run.created_at), run.run_id)
-  else
+  local was_ghost = old ~= nil and is_ghost(old.state, old.confirmed)
+  if is_ghost(run.state, run.confirmed) then
+    if not was_ghost or run.created_at ~= old.created_at then
+      redis.call('ZADD', K.ghosts, num(run.created_at), run.run_id)
+    end
+  elseif was_ghost then
     redis.call('ZREM', K.ghosts, run.run_id)
   end
+  remember(run, live)
 end
 
-local function delete_run(run_id)
+-- stored: the run's stored {state, confirmed} (say which indexes hold it), or nil (all of them).
+local function delete_run(run_id, stored)
   redis.call('DEL', run_key(run_id))
-  redis.call('ZREM', K.waiters, run_id)
-  redis.call('ZREM', K.holders, run_id)
-  redis.call('ZREM', K.ghosts, run_id)
-end
-
-local function holders()
-  local runs = {}
-  for i, run_id in ipairs(redis.call('ZRANGE', K.holders, 0, -1)) do
-    runs[i] = load_run(run_id)
+  if stored == nil then
+    zrem(K.waiters, run_id)
+    zrem(K.holders, run_id)
+    redis.call('ZREM', K.ghosts, run_id)
+  elseif stored.state == 'holding' then
+    zrem(K.holders, run_id)
+  else
+    zrem(K.waiters, run_id)
+    if is_ghost(stored.state, stored.confirmed) then
+      redis.call('ZREM', K.ghosts, run_id)
+    end
   end
-  return runs
 end
 
 local function count_runs()
-  return redis.call('ZCARD', K.waiters) + redis.call('ZCARD', K.holders)
+  return zcard(K.waiters) + zcard(K.holders)
 end
 
 local function waiters_before(seq)
@@ -237,48 +375,67 @@ end
 
 -- The rules ----------------------------------------------------------------------------------
 
-local function passed_over(run, now)
-  return run.state == 'pending' and run.orphan_timeout ~= nil and run.created_at + run.orphan_timeout < now
+local function passed_over(state, created_at, orphan_timeout, now)
+  return state == 'pending' and orphan_timeout ~= nil and created_at + orphan_timeout < now
 end
 
 -- The first `free` waiters in seq order that are not passed over: they own the free slots.
-local function slot_owners(free, now)
+-- Each owner is {run_id, state}. `self` (a run of this call, or nil) is judged from its
+-- in-memory record rather than the store, so a claim need not save it before asking.
+local function slot_owners(free, now, self)
   local owners = {}
   if free <= 0 then
     return owners
   end
-  local start = 0
+  local start, count = 0, math.min(free, PAGE) -- most often the first `free` ids are the owners
   while true do
-    local ids = redis.call('ZRANGE', K.waiters, start, start + PAGE - 1)
+    local ids = redis.call('ZRANGE', K.waiters, start, start + count - 1)
     for _, run_id in ipairs(ids) do
-      local run = load_run(run_id)
-      if not passed_over(run, now) then
-        owners[#owners + 1] = run
+      local state, over
+      if self ~= nil and run_id == self.run_id then
+        state = self.state
+        over = passed_over(state, self.created_at, self.orphan_timeout, now)
+      else
+        local v = redis.call('HMGET', run_key(run_id), 'state', 'created_at', 'orphan_timeout')
+        state = v[1]
+        over = passed_over(state, tonumber(v[2]), opt_number(v[3]), now)
+      end
+      if not over then
+        owners[#owners + 1] = { run_id, state }
         if #owners == free then
           return owners
         end
       end
     end
-    if #ids < PAGE then
+    if #ids < count then
+      if start == 0 then
+        SIZE[K.waiters] = #ids
+      end
       return owners
     end
-    start = start + PAGE
+    start = start + count
+    count = PAGE
   end
 end
 
 -- Evict orphaned holders and forget ghost registrations; returns the evicted run ids.
 local function housekeep(now, grace, keep)
   local evicted = {}
-  for _, holder in ipairs(holders()) do
-    local timeout = holder.orphan_timeout
-    if timeout ~= nil and holder.lease_expires_at + timeout < now and holder.run_id ~= keep then
-      delete_run(holder.run_id)
-      evicted[#evicted + 1] = holder.run_id
+  local ids = redis.call('ZRANGE', K.holders, 0, -1)
+  SIZE[K.holders] = #ids
+  for _, run_id in ipairs(ids) do
+    if run_id ~= keep then -- `keep` is never evicted: its lease needs no reading
+      local v = redis.call('HMGET', run_key(run_id), 'lease_expires_at', 'orphan_timeout')
+      local timeout = opt_number(v[2])
+      if timeout ~= nil and tonumber(v[1]) + timeout < now then
+        delete_run(run_id, { state = 'holding' })
+        evicted[#evicted + 1] = run_id
+      end
     end
   end
   for _, ghost in ipairs(unconfirmed_before(now - grace)) do
     if ghost ~= keep then
-      delete_run(ghost)
+      delete_run(ghost, { state = 'pending', confirmed = false })
     end
   end
   return evicted
@@ -287,10 +444,11 @@ end
 -- Gated waiters that now own a free slot get a fresh live generation to be published.
 -- Each wake is {run_id, generation, payload or false (None)}.
 local function wakes(meta, now, skip)
-  local free = meta.limit - redis.call('ZCARD', K.holders)
+  local free = meta.limit - zcard(K.holders)
   local out = {}
-  for _, run in ipairs(slot_owners(free, now)) do
-    if run.state == 'gated' and run.run_id ~= skip then
+  for _, owner in ipairs(slot_owners(free, now, nil)) do
+    if owner[2] == 'gated' and owner[1] ~= skip then
+      local run = load_run(owner[1])
       run.generation = run.generation + 1
       local live = {}
       if #run.live > 0 then
@@ -300,7 +458,7 @@ local function wakes(meta, now, skip)
       run.live = live
       run.state = 'woken'
       save_run(run)
-      out[#out + 1] = { run.run_id, run.generation, run.payload or false }
+      out[#out + 1] = { run.run_id, run.generation, run_payload(run) or false }
     end
   end
   return out
@@ -308,7 +466,7 @@ end
 
 -- Save the counters; an empty key keeps nothing but its token (the zsets vanish when empty).
 local function finish(meta)
-  if count_runs() == 0 then
+  if zcard(K.holders) == 0 and zcard(K.waiters) == 0 then
     meta.seq = 0
   end
   save_meta(meta)

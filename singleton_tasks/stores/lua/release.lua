@@ -18,7 +18,7 @@ local ttl = tonumber(ARGV[8])
 
 local meta = load_meta() or default_meta()
 local evicted = housekeep(now, tonumber(ARGV[7]), run_id)
-local run = load_run(run_id)
+local run = load_brief(run_id)
 if run == nil then
   -- Settled already (idempotent: async interrupts settle twice) or taken from us.
   local lost = token ~= nil and settled_generation(run_id, now) == nil
@@ -33,7 +33,7 @@ if token ~= nil and (run.state ~= 'holding' or run.token ~= token) then
   finish(meta)
   return { 0, 1, {}, evicted }
 end
-delete_run(run_id)
+delete_run(run_id, run)
 local settled = generation or -1
 if run.state == 'holding' then
   settled = run.holder_generation

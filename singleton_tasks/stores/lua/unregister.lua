@@ -6,10 +6,10 @@
 -- Returns 1 if the registration was removed, else 0.
 
 use_key()
-local run = load_run(ARGV[3])
+local run = load_brief(ARGV[3])
 if run == nil or run.state ~= 'pending' then
   return 0
 end
-delete_run(run.run_id)
+delete_run(ARGV[3], run)
 finish(load_meta() or default_meta())
 return 1
