@@ -266,8 +266,9 @@ def claim(
     if run is None:
         settled = tx.settled_generation(spec.run_id, now)
         if settled is not None and settled != generation:
+            wakes = _wakes(tx, meta, spec.scope, spec.key, now, skip=None) if evicted else []
             _finish(tx, meta)
-            return ClaimOutcome(Decision.STALE, evicted=tuple(evicted))
+            return ClaimOutcome(Decision.STALE, evicted=tuple(evicted), wakes=tuple(wakes))
         # Never registered (send_task, or a settled run re-driven): first sight (SPEC §4).
         tx.clear_settled(spec.run_id)
         run = _new_waiter(spec, meta, now, confirmed=True, generation=generation)
@@ -283,8 +284,11 @@ def claim(
             run.generation += 1
             run.live = sorted({run.holder_generation, run.generation})
             tx.save_run(run)
+            wakes = _wakes(tx, meta, spec.scope, spec.key, now, skip=None) if evicted else []
             _finish(tx, meta)
-            return ClaimOutcome(Decision.BUSY, generation=run.generation, evicted=tuple(evicted))
+            return ClaimOutcome(
+                Decision.BUSY, generation=run.generation, evicted=tuple(evicted), wakes=tuple(wakes)
+            )
         takeover = run.executing
         return _admit(tx, meta, spec, run, generation, now, evicted, takeover=takeover)
 
@@ -395,8 +399,9 @@ def release(
         _finish(tx, meta)
         return ReleaseOutcome(released=False, lost=lost, wakes=tuple(wakes), evicted=tuple(evicted))
     if token is not None and (run.state is not RunState.HOLDING or run.token != token):
+        wakes = _wakes(tx, meta, scope, key, now, skip=None) if evicted else []
         _finish(tx, meta)
-        return ReleaseOutcome(released=False, lost=True, evicted=tuple(evicted))
+        return ReleaseOutcome(released=False, lost=True, wakes=tuple(wakes), evicted=tuple(evicted))
     tx.delete_run(run_id)
     settled = (
         run.holder_generation

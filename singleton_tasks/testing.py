@@ -58,6 +58,7 @@ from .outcomes import (
     HolderRef,
     KeySnapshot,
     Registered,
+    ReleaseOutcome,
     RunSpec,
     RunState,
     Wake,
@@ -543,6 +544,34 @@ class StoreContract:
         release = store.release(SCOPE, KEY, "w2", token=None, now=T0 + 200)  # w2 revoked
         assert release.released and release.evicted == ("h",)
         assert the_wake(release.wakes, "w1").payload == b"w1"
+
+    def test_eviction_by_any_call_hands_the_slot_on(self, store_factory: StoreFactory) -> None:
+        """A busy duplicate, a stale copy or a lost release that evicts an orphan also wakes."""
+        for case in ("busy", "stale", "lost"):
+            store = store_factory(namespace=None)
+            key = f"evict-{case}"
+            orphan = spec("o", key=key, limit=2, lease=10.0, orphan=100.0)
+            live = spec("l", key=key, limit=2, lease=1000.0, orphan=100.0)
+            waiter = spec("w", key=key, limit=2, orphan=100.0)
+            admitted(store, orphan, 0, T0)
+            live_token = admitted(store, live, 0, T0)
+            gated(store, waiter, 0, T0 + 1, b"w", position=1)
+            later = T0 + 200  # the orphan's lease ended at T0 + 10: evicted after T0 + 110
+            outcome: ClaimOutcome | ReleaseOutcome
+            if case == "busy":
+                outcome = store.claim(live, 0, None, now=later)
+                assert outcome.decision is Decision.BUSY
+            elif case == "stale":
+                gone = spec("gone", key=key, limit=2, orphan=100.0)
+                store.register(gone, now=T0)
+                store.release(SCOPE, key, "gone", token=None, generation=3, now=T0 + 2)
+                outcome = store.claim(gone, 4, None, now=later)
+                assert outcome.decision is Decision.STALE
+            else:
+                outcome = store.release(SCOPE, key, "l", token=live_token + 99, now=later)
+                assert outcome.lost
+            assert outcome.evicted == ("o",), case
+            assert the_wake(outcome.wakes, "w").payload == b"w", case
 
     def test_orphan_timeout_none_never_evicts_nor_passes_over(self, store_factory: StoreFactory) -> None:
         store = store_factory()

@@ -195,7 +195,8 @@ class Model:
         if run is None:
             settled = k.marker(spec.run_id, now)
             if settled is not None and settled != generation:
-                return ClaimOutcome(Decision.STALE, evicted=evicted)
+                wakes = self.wakes(spec.key, k, now, None) if evicted else []
+                return ClaimOutcome(Decision.STALE, evicted=evicted, wakes=tuple(wakes))
             k.settled.pop(spec.run_id, None)
             run = MRun(spec.run_id, RunState.PENDING, now, True, generation, [generation], spec.lease, None)
             run.orphan = spec.orphan_timeout
@@ -208,7 +209,10 @@ class Model:
             if run.executing and run.lease_expires_at > now:
                 run.generation += 1
                 run.live = sorted({run.holder_gen, run.generation})
-                return ClaimOutcome(Decision.BUSY, generation=run.generation, evicted=evicted)
+                wakes = self.wakes(spec.key, k, now, None) if evicted else []
+                return ClaimOutcome(
+                    Decision.BUSY, generation=run.generation, evicted=evicted, wakes=tuple(wakes)
+                )
             return self.admit(spec, k, run, generation, now, evicted, takeover=run.executing)
         run.confirmed = True
         run.payload = payload
@@ -281,7 +285,8 @@ class Model:
             wakes = self.wakes(key, k, now, None) if evicted else []
             return ReleaseOutcome(released=False, lost=lost, wakes=tuple(wakes), evicted=evicted)
         if token is not None and (run.state is not RunState.HOLDING or run.token != token):
-            return ReleaseOutcome(released=False, lost=True, evicted=evicted)
+            wakes = self.wakes(key, k, now, None) if evicted else []
+            return ReleaseOutcome(released=False, lost=True, wakes=tuple(wakes), evicted=evicted)
         k.remove(run_id)
         if run.state is RunState.HOLDING:
             settled = run.holder_gen

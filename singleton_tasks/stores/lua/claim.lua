@@ -49,8 +49,12 @@ local first_sight = run == nil
 if run == nil then
   local settled = settled_generation(run_id, now)
   if settled ~= nil and settled ~= generation then
+    local woken = {}
+    if #evicted > 0 then
+      woken = wakes(meta, now, nil)  -- an evicted slot goes to the next waiter at once
+    end
     finish(meta)
-    return { 'stale', false, false, false, 0, evicted, {} }
+    return { 'stale', false, false, false, 0, evicted, woken }
   end
   -- Never registered (send_task, or a settled run re-driven): first sight (SPEC §4).
   clear_settled(run_id)
@@ -68,8 +72,12 @@ if run.state == 'holding' then
     run.generation = run.generation + 1
     run.live = sorted_pair(run.holder_generation, run.generation)
     save_run(run)
+    local woken = {}
+    if #evicted > 0 then
+      woken = wakes(meta, now, nil)
+    end
     finish(meta)
-    return { 'busy', false, run.generation, false, 0, evicted, {} }
+    return { 'busy', false, run.generation, false, 0, evicted, woken }
   end
   return admit(run, run.executing)
 end

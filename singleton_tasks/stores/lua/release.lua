@@ -30,8 +30,12 @@ if run == nil then
   return { 0, lost and 1 or 0, woken, evicted }
 end
 if token ~= nil and (run.state ~= 'holding' or run.token ~= token) then
+  local woken = {}
+  if #evicted > 0 then
+    woken = wakes(meta, now, nil)
+  end
   finish(meta)
-  return { 0, 1, {}, evicted }
+  return { 0, 1, woken, evicted }
 end
 delete_run(run_id, run)
 local settled = generation or -1
