@@ -170,6 +170,9 @@ class RedisStore(Store):
         if redis_options.get("decode_responses"):
             raise SingletonConfigError(f"{self!r}: decode_responses is not supported (payloads are bytes)")
         try:
+            # A hung server must fail an operation (StoreUnavailableError), not block it forever.
+            redis_options.setdefault("socket_timeout", 5.0)
+            redis_options.setdefault("socket_connect_timeout", 5.0)
             self._client: redis.Redis = redis.Redis.from_url(url, **redis_options)
             # Connections are made lazily: build one (unconnected) now so a bad option fails here.
             pool = self._client.connection_pool

@@ -1,0 +1,101 @@
+"""A small Celery application: singleton tasks of limit 1, limit 2 and a capped backlog, plus a plain one.
+
+Workers: ``celery -A integrations.celery_app worker --pool prefork|threads -c N -Q QUEUE`` with
+``INTEGRATION_*`` set (see :class:`integrations.settings.Settings`). Producers build the same app in
+their own process with :func:`build`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import Celery, Task
+
+from singleton_tasks import current_admission
+from singleton_tasks.celery import SingletonTask, install
+
+from .runlog import Flaky, RunLog, perform
+from .settings import MAX_RETRIES, PLAIN_TASK, SINGLETON_TASKS, Settings, configured, make_store
+
+
+def build(settings: Settings) -> Celery:
+    app = Celery(f"integrations_{settings.namespace}", broker=settings.broker_url, set_as_current=False)
+    app.conf.update(
+        task_default_queue=settings.queue,
+        task_ignore_result=True,
+        worker_hijack_root_logger=True,
+        broker_connection_retry_on_startup=True,
+        worker_cancel_long_running_tasks_on_connection_loss=False,
+    )
+    if settings.broker == "redis":
+        # A SIGKILLed worker's unacked messages (and any message unacked for longer, also on a live
+        # worker) are redelivered after visibility_timeout; restore passes run every second.
+        app.conf.broker_transport_options = {
+            "visibility_timeout": settings.visibility_timeout,
+            "unacked_restore_interval": 1,
+            "unacked_restore_throttle": 1,
+            # A worker SIGKILLed while it restores holds the restore mutex until it expires (default
+            # 300 s): no worker restores anything meanwhile, so every killed worker's runs stall.
+            "unacked_mutex_expire": 5,
+        }
+    install(
+        app,
+        make_store(settings),
+        namespace=settings.namespace,
+        retry_delay=settings.retry_delay,
+        retry_jitter=settings.retry_jitter,
+        lease=settings.lease,
+        orphan_timeout=settings.orphan_timeout,
+    )
+    log = RunLog(settings.log_url)
+    retry: dict[str, Any] = {
+        "autoretry_for": (Flaky,),
+        "max_retries": MAX_RETRIES,
+        "default_retry_delay": settings.retry_backoff,
+        "retry_backoff": False,
+        "retry_jitter": False,
+        "shared": False,
+        "bind": True,
+    }
+    for name, (limit, depth) in SINGLETON_TASKS.items():
+
+        def singleton_body(
+            self: Task, key: str, item: int, duration: float, fail: bool, _scope: str = name
+        ) -> None:
+            admitted = current_admission()
+            run_id = admitted.run_id if admitted else self.request.id
+            token = admitted.token if admitted else None
+            retries = int(self.request.retries or 0)
+            perform(log, settings.run, _scope, key, run_id, token, settings.worker, retries, duration, fail)
+
+        singleton_body.__name__ = name
+        app.task(
+            base=SingletonTask,
+            singleton={"key": "{key}", "limit": limit, "max_queue_depth": depth},
+            name=name,
+            **retry,
+        )(singleton_body)
+
+    def plain(self: Task, key: str, item: int, duration: float, fail: bool) -> None:
+        retries = int(self.request.retries or 0)
+        perform(
+            log,
+            settings.run,
+            PLAIN_TASK,
+            key,
+            self.request.id,
+            None,
+            settings.worker,
+            retries,
+            duration,
+            fail,
+        )
+
+    # Durable like the singleton tasks, so a SIGKILL does not lose a plain run either.
+    app.task(name=PLAIN_TASK, acks_late=True, reject_on_worker_lost=True, **retry)(plain)
+    app.finalize()
+    return app
+
+
+if configured():  # imported by the celery CLI in a worker process
+    app = build(Settings.from_env())

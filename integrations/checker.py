@@ -1,0 +1,436 @@
+"""The invariant checker: SPEC §3–§6 over one logged scenario run.
+
+1. never more than ``limit`` bodies of a key overlap;
+2. every accepted enqueue ran to completion at least once (none lost; runs the runner purged on
+   purpose are reported, not counted);
+3. no key is left with holders or waiters when the work is done (``Store.snapshot``);
+4. ``limit=1``: same-key bodies start in enqueue order, except a run passed over after a crash
+   (a kill, a SIGTERM, a store outage, a purge between its enqueue and the later run's start,
+   and at least ``orphan_timeout`` between them: the only way the rules let a later run go first);
+5. fencing tokens strictly increase per key in start order: every token is given once, a run's
+   later bodies (retries, takeovers) have larger tokens, and a body never starts after a body with a
+   larger token ended. With ``limit=1`` start order is admission order, so that is exact; with
+   ``limit>1`` a holder's body may start a little after its admission while the other slots move
+   on, so there the last rule allows :data:`ADMISSION_SLACK` seconds;
+6. rejected enqueues left nothing: no body, no record in the store.
+
+Also failed: a singleton body that ran without a token (no slot), and a body that never ended
+although its worker was not killed (the log lost track of it).
+
+By hand: ``python -m integrations.checker --run ID`` (``--list`` shows recent runs); exit status 1
+when an invariant fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from rich.console import Console
+from rich.table import Table
+
+from singleton_tasks import store_from_url
+from singleton_tasks.outcomes import KeySnapshot
+
+from .runlog import Body, RunData, RunLog
+from .settings import LOG_URL, PLAIN_TASK, SINGLETON_TASKS
+
+#: limit > 1: how long after its admission a holder's body may log its start (a fresh worker process
+#: connects to the log first) while the key's other slots admit and finish later runs.
+ADMISSION_SLACK = 1.0
+#: A message popped by a worker that is SIGKILLed this soon after its publish may be lost (kombu Redis).
+KILL_WINDOW = 2.0
+#: Events after which a waiter may legitimately be passed over (SPEC §6).
+DISRUPTIONS = frozenset({"kill", "term", "store_down", "purge"})
+
+
+@dataclass(frozen=True)
+class Span:
+    """A body with its end resolved: the logged end, the kill time, or unknown (``None``)."""
+
+    body: Body
+    end: float | None
+    killed: bool
+
+
+@dataclass
+class CheckResult:
+    run: str
+    title: str
+    duration: float
+    accepted: int = 0
+    rejected: int = 0
+    bodies: int = 0
+    completed: int = 0
+    killed_bodies: int = 0
+    retried_runs: int = 0  # runs with more than one body (retries, redeliveries after a crash)
+    repeated_completions: int = 0  # runs whose body returned more than once (at-least-once after a crash)
+    purged: list[str] = field(default_factory=list)
+    # Runs whose message the broker lost before any delivery when a worker was SIGKILLed: only
+    # excused for a broker documented to lose them (kombu's Redis transport pops a message before
+    # it records it as unacked); they stay registered (pending) in the store, see the report.
+    broker_lost: list[str] = field(default_factory=list)
+    lost: list[str] = field(default_factory=list)
+    overlaps: list[str] = field(default_factory=list)
+    fifo_inversions: list[str] = field(default_factory=list)
+    fifo_excused: int = 0
+    token_violations: list[str] = field(default_factory=list)
+    stuck_keys: list[str] = field(default_factory=list)
+    rejected_leftovers: list[str] = field(default_factory=list)
+    without_slot: list[str] = field(default_factory=list)
+    dangling: list[str] = field(default_factory=list)
+
+    def failures(self) -> list[str]:
+        named = {
+            "lost (invariant 2)": self.lost,
+            "overlaps (invariant 1)": self.overlaps,
+            "FIFO inversions (invariant 4)": self.fifo_inversions,
+            "token order (invariant 5)": self.token_violations,
+            "stuck keys (invariant 3)": self.stuck_keys,
+            "rejected leftovers (invariant 6)": self.rejected_leftovers,
+            "bodies without a slot": self.without_slot,
+            "bodies that never ended": self.dangling,
+        }
+        return [f"{name}: {len(items)}: {items[:10]}" for name, items in named.items() if items]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures()
+
+    def assert_ok(self) -> None:
+        failures = self.failures()
+        if failures:
+            raise AssertionError(f"invariants failed for run {self.run}:\n  " + "\n  ".join(failures))
+
+    @property
+    def heading(self) -> str:
+        return f"invariants: {self.title} (run {self.run})"
+
+    def table(self) -> Table:
+        table = Table(title=self.heading, title_justify="left", min_width=len(self.heading))
+        table.add_column("check")
+        table.add_column("value", justify="right")
+        table.add_column("", justify="center")
+
+        def row(name: str, value: object, good: bool | None = None) -> None:
+            mark = "" if good is None else ("ok" if good else "FAIL")
+            table.add_row(name, str(value), mark)
+
+        row("runs (accepted enqueues)", self.accepted)
+        row("rejected enqueues", self.rejected)
+        row("bodies (attempts)", self.bodies)
+        row("killed mid-body", self.killed_bodies)
+        row("runs with several bodies", self.retried_runs)
+        row("completed", self.completed, not self.lost)
+        row("lost", len(self.lost), not self.lost)
+        if self.purged:
+            row("purged on purpose", len(self.purged))
+        if self.broker_lost:
+            row("lost by the broker at a SIGKILL (excused)", len(self.broker_lost))
+        row("overlaps over limit", len(self.overlaps), not self.overlaps)
+        row("FIFO inversions (limit 1)", len(self.fifo_inversions), not self.fifo_inversions)
+        row("  excused: passed over after a crash", self.fifo_excused)
+        row("token order violations", len(self.token_violations), not self.token_violations)
+        row("stuck keys", len(self.stuck_keys), not self.stuck_keys)
+        row("rejected enqueues that left a trace", len(self.rejected_leftovers), not self.rejected_leftovers)
+        row("singleton bodies without a token", len(self.without_slot), not self.without_slot)
+        row("bodies that never ended (no kill)", len(self.dangling), not self.dangling)
+        row("repeated completions (after a crash)", self.repeated_completions)
+        row("duration", f"{self.duration:.1f}s")
+        return table
+
+    def print(self, console: Console | None = None) -> None:
+        (console or Console(width=110)).print(self.table())
+
+
+def limit_of(scope: str, logged: int | None = None) -> int | None:
+    if logged is not None:
+        return logged
+    known = SINGLETON_TASKS.get(scope)
+    return known[0] if known else None
+
+
+def resolve_spans(data: RunData, now: float) -> list[Span]:
+    """Give every body an end: its own, else the first kill of its worker after it started."""
+    kills: dict[str, list[float]] = defaultdict(list)
+    for event in data.events:
+        if event.kind == "kill":
+            kills[event.worker].append(event.at)
+    spans = []
+    for body in data.bodies:
+        if body.end is not None:
+            spans.append(Span(body, body.end, killed=False))
+            continue
+        after = [at for at in kills.get(body.worker, ()) if at >= body.start]
+        spans.append(Span(body, min(after), killed=True) if after else Span(body, None, killed=False))
+    return spans
+
+
+def _describe(span: Span) -> str:
+    b = span.body
+    end = "?" if span.end is None else f"{span.end:.3f}"
+    return f"{b.run_id[:8]}@{b.worker}[{b.start:.3f}-{end}]"
+
+
+def check_overlaps(spans: Sequence[Span], limits: dict[tuple[str, str], int], horizon: float) -> list[str]:
+    found = []
+    by_key: dict[tuple[str, str], list[Span]] = defaultdict(list)
+    for span in spans:
+        if (span.body.scope, span.body.key) in limits:
+            by_key[(span.body.scope, span.body.key)].append(span)
+    for key, items in sorted(by_key.items()):
+        limit = limits[key]
+        # Ends sort before starts at the same instant: back-to-back bodies do not overlap.
+        points = sorted(
+            [(s.body.start, 1, i) for i, s in enumerate(items)]
+            + [(s.end if s.end is not None else horizon, 0, i) for i, s in enumerate(items)]
+        )
+        active: set[int] = set()
+        for _at, kind, i in points:
+            if kind == 0:
+                active.discard(i)
+                continue
+            active.add(i)
+            if len(active) > limit:
+                involved = ", ".join(_describe(items[j]) for j in sorted(active))
+                found.append(f"{key[0]}/{key[1]} limit {limit}: {involved}")
+    return found
+
+
+def check_tokens(spans: Sequence[Span], limits: dict[tuple[str, str], int]) -> list[str]:
+    found = []
+    by_key: dict[tuple[str, str], list[Span]] = defaultdict(list)
+    for span in spans:
+        if (span.body.scope, span.body.key) in limits and span.body.token is not None:
+            by_key[(span.body.scope, span.body.key)].append(span)
+    for key, items in sorted(by_key.items()):
+        seen: dict[int, Span] = {}
+        for span in items:
+            token = span.body.token
+            assert token is not None
+            if token in seen:
+                found.append(
+                    f"{key[0]}/{key[1]}: token {token} given twice: {_describe(seen[token])}, "
+                    f"{_describe(span)}"
+                )
+            seen[token] = span
+        runs: dict[str, list[Span]] = defaultdict(list)
+        for span in sorted(items, key=lambda s: s.body.start):
+            runs[span.body.run_id].append(span)
+        for run_id, bodies in runs.items():
+            tokens = [s.body.token or 0 for s in bodies]
+            if tokens != sorted(set(tokens)):
+                found.append(
+                    f"{key[0]}/{key[1]}: run {run_id[:8]}'s bodies have tokens {tokens} in start order"
+                )
+        # Every body that ended before another started must have the smaller token.
+        slack = 0.0 if limits[key] == 1 else ADMISSION_SLACK
+        ended = sorted((s for s in items if s.end is not None), key=lambda s: s.end or 0.0)
+        starts = sorted(items, key=lambda s: s.body.start)
+        best: Span | None = None
+        j = 0
+        for span in starts:
+            while j < len(ended) and (ended[j].end or 0.0) + slack <= span.body.start:
+                if best is None or (ended[j].body.token or 0) > (best.body.token or 0):
+                    best = ended[j]
+                j += 1
+            if best is not None and (best.body.token or 0) >= (span.body.token or 0):
+                found.append(
+                    f"{key[0]}/{key[1]}: {_describe(span)} token {span.body.token} after "
+                    f"{_describe(best)} token {best.body.token}"
+                )
+    return found
+
+
+def check_fifo(
+    data: RunData, first_start: dict[str, float], limits: dict[tuple[str, str], int], orphan_timeout: float
+) -> tuple[list[str], int]:
+    disruptions = sorted(e.at for e in data.events if e.kind in DISRUPTIONS)
+    found: list[str] = []
+    excused = 0
+    by_line: dict[tuple[str, str, str], list[tuple[int, float, str]]] = defaultdict(list)
+    for e in data.enqueues:
+        if e.accepted and limits.get((e.scope, e.key)) == 1 and e.run_id in first_start:
+            # Enqueue order is only defined within one producer (its own sequence).
+            by_line[(e.scope, e.key, e.producer)].append((e.seq, e.at, e.run_id))
+    for (scope, key, _producer), line in sorted(by_line.items()):
+        line.sort()
+        for i, (_seq_a, at_a, a) in enumerate(line):
+            for _seq_b, _at_b, b in line[i + 1 :]:
+                if first_start[b] >= first_start[a]:
+                    continue
+                started = first_start[b]
+                crash = any(at_a < at < started for at in disruptions)
+                if crash and started - at_a >= orphan_timeout:
+                    excused += 1
+                    continue
+                found.append(
+                    f"{scope}/{key}: {b[:8]} (enqueued later) started at {started:.3f}, "
+                    f"before {a[:8]} at {first_start[a]:.3f}"
+                )
+    return found, excused
+
+
+def lost_to_broker(data: RunData) -> set[str]:
+    """Unfinished runs whose last message a SIGKILL may have caught between the broker and the worker.
+
+    kombu's Redis transport pops a message (BRPOP) and only then records it as unacked: a worker
+    killed in between loses it. Evidence required: a kill within :data:`KILL_WINDOW` seconds after
+    the run's last publish (its enqueue, or the retry its last raising body published), and no body
+    after it. Such a run stays pending in the store (a lost first message) or is evicted after
+    ``orphan_timeout`` (a lost retry), as SPEC §6 says.
+    """
+    kills = sorted(e.at for e in data.events if e.kind == "kill")
+    completed = {b.run_id for b in data.bodies if b.outcome == "ok"}
+    last: dict[str, float] = {e.run_id: e.at for e in data.enqueues if e.accepted}
+    for b in data.bodies:
+        if b.run_id in last:
+            # A raising body's framework publishes the retry as it ends; a killed one is redelivered.
+            last[b.run_id] = max(last[b.run_id], b.end if b.end is not None else b.start)
+    return {
+        run_id
+        for run_id, at in last.items()
+        if run_id not in completed and any(at <= kill <= at + KILL_WINDOW for kill in kills)
+    }
+
+
+def check(data: RunData, snapshots: Iterable[KeySnapshot], *, now: float | None = None) -> CheckResult:
+    """All six invariants over the logged data and the store's final snapshot."""
+    now = time.time() if now is None else now
+    scenario = data.scenario
+    horizon = scenario.finished or now
+    result = CheckResult(
+        run=scenario.run,
+        title=f"{scenario.name} · {scenario.framework} · {scenario.broker} broker · {scenario.store} store",
+        duration=horizon - scenario.started,
+    )
+    orphan_timeout = float(scenario.settings.get("orphan_timeout", 0.0))
+    limits: dict[tuple[str, str], int] = {}
+    for e in data.enqueues:
+        limit = limit_of(e.scope, e.limit)
+        if limit is not None:
+            limits[(e.scope, e.key)] = limit
+    for b in data.bodies:
+        limit = limit_of(b.scope)
+        if limit is not None:
+            limits.setdefault((b.scope, b.key), limit)
+
+    spans = resolve_spans(data, now)
+    accepted = {e.run_id for e in data.enqueues if e.accepted}
+    rejected = {e.run_id for e in data.enqueues if not e.accepted} - accepted
+    purged: set[str] = set()
+    for event in data.events:
+        if event.kind == "purge" and event.detail:
+            purged.update(json.loads(event.detail))
+    completions: dict[str, int] = defaultdict(int)
+    attempts: dict[str, int] = defaultdict(int)
+    first_start: dict[str, float] = {}
+    for span in spans:
+        b = span.body
+        attempts[b.run_id] += 1
+        first_start[b.run_id] = min(first_start.get(b.run_id, b.start), b.start)
+        if b.outcome == "ok":
+            completions[b.run_id] += 1
+        if span.killed:
+            result.killed_bodies += 1
+        if span.end is None:
+            result.dangling.append(_describe(span))
+        if b.scope != PLAIN_TASK and (b.scope, b.key) in limits and b.token is None:
+            result.without_slot.append(_describe(span))
+
+    result.accepted = len(accepted)
+    result.rejected = len(rejected)
+    result.bodies = len(spans)
+    result.completed = len(accepted & set(completions))
+    result.retried_runs = sum(1 for n in attempts.values() if n > 1)
+    result.repeated_completions = sum(1 for n in completions.values() if n > 1)
+    result.purged = sorted(purged & accepted - set(completions))
+    lost = accepted - set(completions) - purged
+    snapshots = list(snapshots)
+    if scenario.settings.get("broker_loses_on_kill"):
+        result.broker_lost = sorted(lost & lost_to_broker(data))
+    result.lost = sorted(lost - set(result.broker_lost))
+    result.overlaps = check_overlaps(spans, limits, horizon)
+    result.token_violations = check_tokens(spans, limits)
+    result.fifo_inversions, result.fifo_excused = check_fifo(data, first_start, limits, orphan_timeout)
+
+    excused = set(result.broker_lost)
+    for snap in snapshots:
+        left = [h.run_id for h in snap.holders] + [w.run_id for w in snap.waiters]
+        if left and all(r in excused for r in left):
+            # Only runs the broker lost are left: passed over in the line, or a holder whose retry
+            # was lost, evicted at the key's next operation (SPEC §6).
+            continue
+        if snap.holders or snap.waiters:
+            holders = [h.run_id[:8] for h in snap.holders]
+            waiters = [f"{w.run_id[:8]}:{w.state.value}" for w in snap.waiters]
+            result.stuck_keys.append(f"{snap.scope}/{snap.key}: holders={holders} waiters={waiters}")
+    in_store = {h.run_id for s in snapshots for h in s.holders} | {
+        w.run_id for s in snapshots for w in s.waiters
+    }
+    ran = {b.run_id for b in data.bodies}
+    for run_id in sorted(rejected):
+        if run_id in ran:
+            result.rejected_leftovers.append(f"{run_id[:8]}: ran a body")
+        if run_id in in_store:
+            result.rejected_leftovers.append(f"{run_id[:8]}: recorded in the store")
+    return result
+
+
+def store_snapshots(store_url: str, namespace: str) -> list[KeySnapshot]:
+    """Every key of the integration scopes that still has holders or waiters."""
+    store = store_from_url(store_url, namespace=namespace)
+    try:
+        now = time.time()
+        return [snap for scope in SINGLETON_TASKS for snap in store.snapshot(now=now, scope=scope)]
+    finally:
+        store.close()
+
+
+def check_run(
+    run: str, log_url: str = LOG_URL, *, snapshots: Sequence[KeySnapshot] | None = None
+) -> CheckResult:
+    """Load a run from the log, snapshot its store (unless given), check."""
+    log = RunLog(log_url)
+    try:
+        data = log.load(run)
+    finally:
+        log.close()
+    if snapshots is None:
+        snapshots = store_snapshots(data.scenario.store_url, data.scenario.namespace)
+    return check(data, snapshots)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m integrations.checker", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--run", help="the scenario run id")
+    parser.add_argument("--list", action="store_true", help="list recent scenario runs")
+    parser.add_argument("--log-url", default=LOG_URL, help="the PostgreSQL log (default: %(default)s)")
+    args = parser.parse_args(argv)
+    console = Console(width=110)
+    if args.list or not args.run:
+        log = RunLog(args.log_url)
+        table = Table(title="recent scenario runs")
+        for column in ("run", "scenario", "started", "duration"):
+            table.add_column(column)
+        for run, name, started, finished in log.recent():
+            took = f"{finished - started:.1f}s" if finished else "unfinished"
+            table.add_row(run, name, time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)), took)
+        console.print(table)
+        return 0 if args.list else 2
+    result = check_run(args.run, args.log_url)
+    result.print(console)
+    for failure in result.failures():
+        console.print(f"[red]FAIL[/red] {failure}")
+    return 0 if result.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

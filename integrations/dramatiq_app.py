@@ -1,0 +1,108 @@
+"""A small Dramatiq application: singleton actors of limit 1, limit 2 and a capped backlog, plus a plain one.
+
+Workers: ``dramatiq integrations.dramatiq_app --processes 1 --threads N`` with ``INTEGRATION_*`` set
+(see :class:`integrations.settings.Settings`). Producers build the same app in their own process
+with :func:`build`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import dramatiq
+from dramatiq.middleware import CurrentMessage
+
+from singleton_tasks import current_admission
+from singleton_tasks.dramatiq import SingletonMiddleware
+
+from .runlog import RunLog, perform
+from .settings import MAX_RETRIES, PLAIN_TASK, SINGLETON_TASKS, Settings, configured, make_store
+
+
+@dataclass
+class DramatiqApp:
+    settings: Settings
+    broker: dramatiq.Broker
+    middleware: SingletonMiddleware
+    actors: dict[str, dramatiq.Actor[Any, Any]]
+
+
+def make_broker(settings: Settings) -> dramatiq.Broker:
+    if settings.broker == "redis":
+        from dramatiq.brokers.redis import RedisBroker
+
+        # A SIGKILLed worker's unacked messages come back once its heartbeat is this old and a
+        # maintenance pass runs (a per-command chance): both short, or a crash stalls a key 60 s+.
+        return RedisBroker(  # type: ignore[no-untyped-call]
+            url=settings.broker_url,
+            heartbeat_timeout=settings.heartbeat_timeout_ms,
+            maintenance_chance=100_000,
+        )
+    if settings.broker == "rabbitmq":
+        from dramatiq.brokers.rabbitmq import RabbitmqBroker
+
+        return RabbitmqBroker(url=settings.broker_url)
+    raise ValueError(f"unknown broker {settings.broker!r}")
+
+
+def build(settings: Settings) -> DramatiqApp:
+    broker = make_broker(settings)
+    broker.add_middleware(CurrentMessage())
+    middleware = SingletonMiddleware(
+        make_store(settings),
+        namespace=settings.namespace,
+        retry_delay=settings.retry_delay,
+        retry_jitter=settings.retry_jitter,
+        lease=settings.lease,
+        orphan_timeout=settings.orphan_timeout,
+    )
+    broker.add_middleware(middleware)
+    log = RunLog(settings.log_url)
+    backoff_ms = max(1, round(settings.retry_backoff * 1000))
+    options: dict[str, Any] = {
+        "broker": broker,
+        "queue_name": settings.queue,
+        "max_retries": MAX_RETRIES,
+        "min_backoff": backoff_ms // 2 or 1,  # dramatiq doubles it for the first retry
+        "max_backoff": backoff_ms * 4,
+    }
+
+    def attempt() -> tuple[str, int]:
+        message = CurrentMessage.get_current_message()
+        assert message is not None
+        return message.message_id, int(message.options.get("retries", 0))
+
+    def singleton_body(scope: str, key: str, duration: float, fail: bool) -> None:
+        admitted = current_admission()
+        message_id, retries = attempt()
+        run_id = admitted.run_id if admitted else message_id
+        token = admitted.token if admitted else None
+        perform(log, settings.run, scope, key, run_id, token, settings.worker, retries, duration, fail)
+
+    actors: dict[str, dramatiq.Actor[Any, Any]] = {}
+    for name, (limit, depth) in SINGLETON_TASKS.items():
+
+        def fn(key: str, item: int, duration: float, fail: bool, _scope: str = name) -> None:
+            singleton_body(_scope, key, duration, fail)
+
+        fn.__name__ = name
+        declare = dramatiq.actor(
+            actor_name=name, singleton={"key": "{key}", "limit": limit, "max_queue_depth": depth}, **options
+        )
+        actors[name] = declare(fn)
+
+    def plain(key: str, item: int, duration: float, fail: bool) -> None:
+        message_id, retries = attempt()
+        perform(
+            log, settings.run, PLAIN_TASK, key, message_id, None, settings.worker, retries, duration, fail
+        )
+
+    actors[PLAIN_TASK] = dramatiq.actor(actor_name=PLAIN_TASK, **options)(plain)
+    return DramatiqApp(settings, broker, middleware, actors)
+
+
+if configured():  # imported by the dramatiq CLI in a worker process
+    app = build(Settings.from_env())
+    dramatiq.set_broker(app.broker)
+    broker = app.broker

@@ -1,0 +1,180 @@
+"""The checker itself, on hand-made logs: each invariant passes a clean log and fails a broken one."""
+
+from __future__ import annotations
+
+import json
+
+from integrations.checker import check
+from integrations.runlog import Body, Enqueue, Event, RunData, Scenario
+from singleton_tasks.outcomes import KeySnapshot, RunState, WaiterView
+
+T0 = 1000.0
+
+
+def scenario(**settings: object) -> Scenario:
+    return Scenario(
+        "r1",
+        "unit",
+        "dramatiq",
+        "redis",
+        "memory",
+        "memory://",
+        "ns",
+        {"orphan_timeout": 20.0, **settings},
+        T0,
+        T0 + 60,
+    )
+
+
+def enq(
+    run_id: str,
+    seq: int,
+    *,
+    scope: str = "mutex",
+    key: str = "K",
+    accepted: bool = True,
+    at: float | None = None,
+) -> Enqueue:
+    limit = {"mutex": 1, "pair": 2, "capped": 1}.get(scope)
+    return Enqueue(
+        "p0",
+        seq,
+        scope,
+        key,
+        run_id,
+        limit,
+        accepted,
+        None if accepted else "SingletonQueueFullError",
+        T0 + seq * 0.01 if at is None else at,
+    )
+
+
+def body(
+    run_id: str,
+    start: float,
+    end: float | None,
+    token: int | None,
+    *,
+    scope: str = "mutex",
+    key: str = "K",
+    worker: str = "w0",
+    outcome: str | None = "ok",
+) -> Body:
+    return Body(
+        scope,
+        key,
+        run_id,
+        token,
+        1,
+        worker,
+        0,
+        T0 + start,
+        None if end is None else T0 + end,
+        outcome if end is not None else None,
+    )
+
+
+def data(
+    enqueues: list[Enqueue], bodies: list[Body], events: list[Event] | None = None, **settings: object
+) -> RunData:
+    return RunData(scenario(**settings), tuple(bodies), tuple(enqueues), tuple(events or ()))
+
+
+def clean() -> RunData:
+    return data(
+        [enq("a", 1), enq("b", 2), enq("c", 3), enq("x", 4, accepted=False)],
+        [body("a", 1, 2, 1), body("b", 2, 3, 2), body("c", 3.5, 4, 3)],
+    )
+
+
+def test_clean_log_passes() -> None:
+    result = check(clean(), [], now=T0 + 60)
+    assert result.ok, result.failures()
+    assert (result.accepted, result.completed, result.rejected) == (3, 3, 1)
+
+
+def test_overlap_fails() -> None:
+    d = data([enq("a", 1), enq("b", 2)], [body("a", 1, 3, 1), body("b", 2, 4, 2)])
+    assert check(d, [], now=T0 + 60).overlaps
+
+
+def test_limit_two_allows_two_but_not_three() -> None:
+    two = data(
+        [enq("a", 1, scope="pair"), enq("b", 2, scope="pair")],
+        [body("a", 1, 3, 1, scope="pair"), body("b", 2, 4, 2, scope="pair")],
+    )
+    assert check(two, [], now=T0 + 60).ok
+    three = data(
+        [enq(r, i, scope="pair") for i, r in enumerate("abc")],
+        [body(r, 1 + i * 0.1, 3, i + 1, scope="pair") for i, r in enumerate("abc")],
+    )
+    assert check(three, [], now=T0 + 60).overlaps
+
+
+def test_killed_body_ends_at_the_kill() -> None:
+    bodies = [body("a", 1, None, 1, worker="w0"), body("a", 5, 6, 2, worker="w1"), body("b", 6.5, 7, 3)]
+    kill = Event("kill", "w0", T0 + 2, "")
+    d = data([enq("a", 1), enq("b", 2)], bodies, [kill])
+    result = check(d, [], now=T0 + 60)
+    assert result.ok, result.failures()
+    assert result.killed_bodies == 1
+    # Without the kill the first body never ended: it overlaps and is reported.
+    result = check(data([enq("a", 1), enq("b", 2)], bodies), [], now=T0 + 60)
+    assert result.dangling and result.overlaps
+
+
+def test_lost_run_fails_unless_purged() -> None:
+    d = data([enq("a", 1), enq("b", 2)], [body("a", 1, 2, 1)])
+    assert check(d, [], now=T0 + 60).lost == ["b"]
+    purge = Event("purge", "", T0 + 3, json.dumps(["b"]))
+    result = check(data([enq("a", 1), enq("b", 2)], [body("a", 1, 2, 1)], [purge]), [], now=T0 + 60)
+    assert result.ok and result.purged == ["b"]
+
+
+def test_fifo_inversion_fails_unless_passed_over_after_a_crash() -> None:
+    enqueues = [enq("a", 1), enq("b", 2)]
+    bodies = [body("b", 25, 26, 1), body("a", 30, 31, 2)]  # b went first 25 s after a's enqueue
+    assert check(data(enqueues, bodies), [], now=T0 + 60).fifo_inversions
+    kill = Event("kill", "w9", T0 + 0.5, "")
+    excused = check(data(enqueues, bodies, [kill]), [], now=T0 + 60)
+    assert excused.ok and excused.fifo_excused == 1
+    # A crash, but b started before a could have been passed over (orphan_timeout 20 s).
+    early = [body("b", 1, 2, 1), body("a", 3, 4, 2)]
+    assert check(data(enqueues, early, [kill]), [], now=T0 + 60).fifo_inversions
+
+
+def test_token_order() -> None:
+    backwards = data([enq("a", 1), enq("b", 2)], [body("a", 1, 2, 5), body("b", 3, 4, 4)])
+    assert check(backwards, [], now=T0 + 60).token_violations
+    twice = data(
+        [enq("a", 1, scope="pair"), enq("b", 2, scope="pair")],
+        [body("a", 1, 2, 5, scope="pair"), body("b", 1.5, 4, 5, scope="pair")],
+    )
+    assert check(twice, [], now=T0 + 60).token_violations
+
+
+def test_stuck_key_and_rejected_leftovers() -> None:
+    waiter = WaiterView("x", 1, T0, RunState.PENDING, True)
+    snap = KeySnapshot("mutex", "K", 1, 3, (), (waiter,))
+    result = check(clean(), [snap], now=T0 + 60)
+    assert result.stuck_keys and result.rejected_leftovers
+    ran = data([enq("a", 1), enq("x", 2, accepted=False)], [body("a", 1, 2, 1), body("x", 3, 4, 2)])
+    assert check(ran, [], now=T0 + 60).rejected_leftovers
+
+
+def test_singleton_body_without_token_fails() -> None:
+    d = data([enq("a", 1)], [body("a", 1, 2, None)])
+    assert check(d, [], now=T0 + 60).without_slot
+
+
+def test_broker_loss_is_excused_only_where_declared() -> None:
+    waiter = WaiterView("b", 1, T0, RunState.PENDING, True)
+    snap = KeySnapshot("mutex", "K", 1, 1, (), (waiter,))
+    kill = Event("kill", "w0", T0 + 1, "")
+    enqueues = [enq("a", 1, at=T0 + 0.5), enq("b", 2, at=T0 + 0.6)]
+    strict = check(data(enqueues, [body("a", 1, 2, 1)], [kill]), [snap], now=T0 + 60)
+    assert strict.lost == ["b"] and strict.stuck_keys
+    lossy = check(
+        data(enqueues, [body("a", 1, 2, 1)], [kill], broker_loses_on_kill=True), [snap], now=T0 + 60
+    )
+    assert lossy.ok and lossy.broker_lost == ["b"]

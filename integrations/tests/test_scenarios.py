@@ -1,0 +1,337 @@
+"""The scenarios of issue 5, each over framework × broker (SINGLETON_TEST_BROKER) × store.
+
+Every scenario ends with the invariant checker over its whole log (``Harness.check``), which
+prints its table and fails the test on any broken invariant; the asserts here add what is
+specific to the scenario.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import pytest
+
+from integrations.checker import store_snapshots
+from integrations.runlog import Body
+from integrations.runner import (
+    REPO,
+    BackgroundLoad,
+    Chaos,
+    PostgresServer,
+    RedisServer,
+    Worker,
+    soak_keys,
+    soak_load,
+    wait_all_completed,
+    wait_for,
+)
+from integrations.settings import SINGLETON_TASKS
+
+from .conftest import Harness
+
+pytestmark = pytest.mark.workers
+
+SOAK_RUNS = int(os.environ.get("INTEGRATION_SOAK_RUNS", "2000"))
+STORES = ["redis", "postgres"]
+
+
+def started(h: Harness, run_id: str, *, count: int = 1, timeout: float = 30.0) -> list[Body]:
+    """Wait until ``count`` bodies of the run have started; returns them in start order."""
+    wait_for(
+        lambda: len(h.log.bodies(h.settings.run, run_id)) >= count,
+        timeout=timeout,
+        what=f"{count} bodies of run {run_id}",
+        workers=h.workers,
+    )
+    return h.log.bodies(h.settings.run, run_id)
+
+
+def worker_of(h: Harness, body: Body) -> Worker:
+    return next(w for w in h.workers.all if w.name == body.worker)
+
+
+# -- 1. soak with SIGKILL --------------------------------------------------------------------------
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("store", ["redis", "postgres", "sqlite"])
+def test_soak_with_sigkill(harness: Callable[..., Harness], framework: str, broker: str, store: str) -> None:
+    """3 workers, 20 keys of mixed limits and caps, ≥ 2,000 runs, ~10 % raising, SIGKILL every 2–4 s."""
+    # orphan_timeout 10 s: longer than any redelivery after a kill (RabbitMQ: at once; RedisBroker:
+    # heartbeat_timeout 4 s; kombu Redis: visibility_timeout 8 s), short enough that a message the
+    # broker loses stalls its key only briefly.
+    h = harness("soak", framework, broker, store, pool="prefork", orphan_timeout=10.0)
+    runs = SOAK_RUNS if store != "sqlite" else SOAK_RUNS // 2  # SQLite: workers on one host, cheaper cell
+    h.workers.start(3)
+    chaos = Chaos(h.workers, every=(2.0, 4.0))
+    chaos.start()
+    try:
+        # A fast machine may finish the runs before 3 kills: keep the load on until then.
+        soak_load(h.producer, soak_keys(20), runs=runs, more=lambda: chaos.kills < 3)
+    finally:
+        chaos.stop()
+    h.drain([r.run_id for r in h.producer.accepted()], timeout=240)
+    result = h.check()
+    assert chaos.kills >= 3, "the soak must have killed workers"
+    assert result.accepted >= runs
+    assert result.rejected > 0, "the capped keys were pushed past their cap"
+    assert result.retried_runs > 0, "raising bodies were retried"
+
+
+# -- 2. kill the holder ----------------------------------------------------------------------------
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("store", STORES)
+def test_killed_holder_takes_its_slot_back(
+    harness: Callable[..., Harness], framework: str, broker: str, store: str
+) -> None:
+    """The redelivered message of a SIGKILLed holder reclaims its slot before any same-key waiter."""
+    h = harness("kill-holder", framework, broker, store, lease=2.0, orphan_timeout=60.0, pool="prefork")
+    h.workers.start(2)
+    holder = h.producer.send("mutex", "K", duration=6.0)
+    first = started(h, holder.run_id)[0]
+    waiters = [h.producer.send("mutex", "K", duration=0.2, item=i) for i in range(3)]
+    # The waiters were delivered and gated before the kill.
+    wait_for(
+        lambda: any(
+            len(s.waiters) == 3 and all(w.state.value != "pending" for w in s.waiters)
+            for s in store_snapshots(h.settings.store_url, h.settings.namespace)
+        ),
+        timeout=20,
+        what="three gated waiters",
+        workers=h.workers,
+    )
+    killed_at = h.workers.kill(worker_of(h, first))
+    h.workers.start(1, wait=False)
+    wait_all_completed(
+        h.log, h.settings.run, [holder.run_id] + [w.run_id for w in waiters], timeout=90, workers=h.workers
+    )
+    h.check()
+    again = h.log.bodies(h.settings.run, holder.run_id)
+    assert len(again) == 2 and again[0].end is None and again[1].outcome == "ok"
+    assert again[1].start >= killed_at
+    assert again[1].token is not None and first.token is not None and again[1].token > first.token
+    waiter_starts = [h.log.bodies(h.settings.run, w.run_id)[0].start for w in waiters]
+    assert all(start > again[1].start for start in waiter_starts), "a waiter slipped in before the holder"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("store", STORES)
+def test_lost_holder_is_evicted_after_orphan_timeout(
+    harness: Callable[..., Harness], framework: str, broker: str, store: str
+) -> None:
+    """A SIGKILLed holder whose message was purged is evicted after ``orphan_timeout``; the key moves on."""
+    lease, orphan_timeout = 2.0, 3.0
+    h = harness("lost-holder", framework, broker, store, lease=lease, orphan_timeout=orphan_timeout)
+    (worker,) = h.workers.start(1)
+    holder = h.producer.send("mutex", "L", duration=60.0)
+    first = started(h, holder.run_id)[0]
+    h.workers.kill(worker)
+    h.driver.purge(expect=1)
+    h.log.event(h.settings.run, "purge", detail=json.dumps([holder.run_id]))
+    h.workers.start(1)
+    waiter = h.producer.send("mutex", "L", duration=0.1)
+    wait_all_completed(h.log, h.settings.run, [waiter.run_id], timeout=60, workers=h.workers)
+    result = h.check()
+    assert result.purged == [holder.run_id]
+    assert h.log.bodies(h.settings.run, holder.run_id) == [first], "the purged run came back"
+    next_start = h.log.bodies(h.settings.run, waiter.run_id)[0].start
+    # Its lease ran out (≥ lease after its admission) and then orphan_timeout passed.
+    assert next_start >= first.start + lease + orphan_timeout - 0.5
+
+
+# -- 3. store outage -------------------------------------------------------------------------------
+OUTAGE_KEYS = [("mutex", "o0"), ("mutex", "o1"), ("pair", "o2"), ("capped", "o3"), ("plain", "o4")]
+
+
+def _outage(h: Harness, stop: Callable[[], None], start: Callable[[], None], down_for: float = 5.0) -> None:
+    h.workers.start(2)
+    load = BackgroundLoad(h.producer, OUTAGE_KEYS)
+    load.start()
+    try:
+        time.sleep(3.0)
+        h.log.event(h.settings.run, "store_stopping")
+        stop()
+        down_at = h.log.event(h.settings.run, "store_down")
+        time.sleep(down_for)
+        restart_at = h.log.event(h.settings.run, "store_restart")
+        start()
+        h.log.event(h.settings.run, "store_up")
+        time.sleep(3.0)
+    finally:
+        load.stop()
+    records = list(h.producer.records)
+    accepted = [r.run_id for r in records if r.accepted]
+    wait_all_completed(h.log, h.settings.run, accepted, timeout=120, workers=h.workers)
+    h.check()
+    during = [r for r in records if down_at < r.at < restart_at]
+    assert during and all(not r.accepted for r in during if r.scope != "plain"), "accepted while down"
+    assert all(r.error == "StoreUnavailableError" for r in during if r.scope != "plain")
+    assert sum(r.accepted for r in records if r.at > restart_at + 1.0 and r.scope != "plain") > 0
+    # No body started without a slot: nothing was admitted while the store was down.
+    bodies = [
+        b
+        for b in h.log.bodies(h.settings.run)
+        if b.scope in SINGLETON_TASKS and down_at + 0.5 < b.start < restart_at
+    ]
+    assert not bodies, f"singleton bodies started during the outage: {bodies[:5]}"
+
+
+@pytest.mark.timeout(300)
+def test_redis_store_outage(
+    harness: Callable[..., Harness], redis_server: RedisServer, framework: str, broker: str
+) -> None:
+    """The store's own redis-server stops for 5 s under load (the broker stays up)."""
+    h = harness(
+        "outage",
+        framework,
+        broker,
+        "redis",
+        store_url=redis_server.url,
+        orphan_timeout=120.0,
+        store_timeout=2.0,
+    )
+    _outage(h, redis_server.stop, redis_server.start)
+
+
+@pytest.mark.timeout(300)
+def test_postgres_store_restart(
+    harness: Callable[..., Harness], postgres_server: PostgresServer, framework: str, broker: str
+) -> None:
+    """The store's own PostgreSQL is stopped (fast shutdown) for 5 s under load and started again."""
+    h = harness(
+        "outage",
+        framework,
+        broker,
+        "postgres",
+        store_url=postgres_server.url,
+        orphan_timeout=120.0,
+        store_timeout=2.0,
+    )
+    _outage(h, postgres_server.stop, postgres_server.start)
+
+
+# -- 4. graceful shutdown --------------------------------------------------------------------------
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("store", STORES)
+def test_sigterm_with_holders_and_prefetched_waiters(
+    harness: Callable[..., Harness], framework: str, broker: str, store: str
+) -> None:
+    """SIGTERM a worker that holds 4 slots and has their waiters prefetched: nothing lost, no stuck key."""
+    # 5 threads: 4 run the holders, 1 gates waiters (their deferred copies wait in the worker's
+    # memory, unacked); the rest stay prefetched, undelivered.
+    h = harness("sigterm", framework, broker, store, orphan_timeout=60.0, threads=5, pool="prefork")
+    (worker,) = h.workers.start(1)
+    holders, waiters = [], []
+    for k in range(4):
+        holders.append(h.producer.send("mutex", f"T{k}", duration=2.5))
+    for i in range(3):
+        for k in range(4):
+            waiters.append(h.producer.send("mutex", f"T{k}", duration=0.1, item=i))
+    for holder in holders:
+        started(h, holder.run_id)
+    wait_for(
+        lambda: (
+            sum(
+                len([w for w in s.waiters if w.state.value != "pending"])
+                for s in store_snapshots(h.settings.store_url, h.settings.namespace)
+            )
+            >= 4
+        ),
+        timeout=20,
+        what="waiters delivered and gated",
+        workers=h.workers,
+    )
+    assert not any(b.end for holder in holders for b in h.log.bodies(h.settings.run, holder.run_id))
+    h.workers.terminate(worker)
+    exited = time.time()
+    h.workers.start(1)
+    everything = [r.run_id for r in holders + waiters]
+    wait_all_completed(h.log, h.settings.run, everything, timeout=90, workers=h.workers)
+    result = h.check()
+    assert result.killed_bodies == 0
+    for holder in holders:
+        bodies = h.log.bodies(h.settings.run, holder.run_id)
+        assert len(bodies) == 1 and bodies[0].outcome == "ok" and (bodies[0].end or 0) < exited
+
+
+# -- 5. producers at a cap -------------------------------------------------------------------------
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("store", ["redis", "postgres", "sqlite"])
+def test_producers_at_a_cap(harness: Callable[..., Harness], framework: str, broker: str, store: str) -> None:
+    """2 processes × 8 threads enqueue 160 runs of one key with max_queue_depth=5 and no worker."""
+    limit, depth = SINGLETON_TASKS["capped"]
+    assert depth == 5
+    h = harness("cap", framework, broker, store)
+    start_at = time.time() + 4.0
+    env = {**os.environ, **h.settings.env(), "PYTHONPATH": str(REPO)}
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "integrations.runner",
+                "hammer",
+                "--framework",
+                framework,
+                "--name",
+                f"p{i}",
+                "--threads",
+                "8",
+                "--per-thread",
+                "10",
+                "--key",
+                "C",
+                "--start-at",
+                str(start_at),
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for i in range(2)
+    ]
+    for proc in procs:
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, out.decode(errors="replace")[-4000:]
+    enqueues = h.log.load(h.settings.run).enqueues
+    assert len(enqueues) == 160
+    accepted = {e.run_id for e in enqueues if e.accepted}
+    assert len(accepted) == limit + depth
+    assert {e.error for e in enqueues if not e.accepted} == {"SingletonQueueFullError"}
+    assert len({e.producer.split(".")[0] for e in enqueues if e.accepted}) >= 1
+    (snap,) = store_snapshots(h.settings.store_url, h.settings.namespace)
+    assert {w.run_id for w in snap.waiters} == accepted and not snap.holders
+    h.workers.start(1)
+    wait_all_completed(h.log, h.settings.run, sorted(accepted), timeout=60, workers=h.workers)
+    h.check()
+
+
+# -- 6. live duplicate -----------------------------------------------------------------------------
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("store", STORES)
+def test_live_duplicate_is_deferred_never_concurrent(
+    harness: Callable[..., Harness], framework: str, broker: str, store: str
+) -> None:
+    """A second copy of a running holder's message (a duplicate publish / a visibility-timeout
+    redelivery) is deferred while the holder runs and dropped after: the body runs once."""
+    visibility = framework == "celery" and broker == "redis"
+    h = harness(
+        "duplicate", framework, broker, store, lease=3.0, visibility_timeout=2.0 if visibility else 8.0
+    )
+    h.workers.start(2)
+    holder = h.producer.send("mutex", "D", duration=6.0)
+    first = started(h, holder.run_id)[0]
+    if not visibility:
+        h.driver.duplicate(holder.run_id)
+        h.log.event(h.settings.run, "duplicate", detail=holder.run_id)
+    waiter = h.producer.send("mutex", "D", duration=0.1)
+    wait_all_completed(h.log, h.settings.run, [holder.run_id, waiter.run_id], timeout=60, workers=h.workers)
+    time.sleep(2.0)  # the duplicate's deferred copies come back and must be dropped
+    h.check()
+    bodies = h.log.bodies(h.settings.run, holder.run_id)
+    assert bodies == [first] or (len(bodies) == 1 and bodies[0].run_id == first.run_id)
+    assert len(h.log.bodies(h.settings.run, waiter.run_id)) == 1
