@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import os
-import socket
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import pytest
 
 from singleton_tasks import Store, store_from_url
+from singleton_tasks.testing import require_server
 
 REDIS_URL = os.environ.get("SINGLETON_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 POSTGRES_URL = os.environ.get("SINGLETON_TEST_POSTGRES_URL", "postgresql://127.0.0.1:5432/test")
@@ -19,25 +18,6 @@ RABBITMQ_URL = os.environ.get("SINGLETON_TEST_RABBITMQ_URL", "amqp://guest:guest
 BROKER_REDIS_URL = os.environ.get("SINGLETON_TEST_BROKER_REDIS_URL", "redis://127.0.0.1:6379/14")
 
 BACKENDS = ["memory", "sqlite", "redis", "postgres"]
-
-
-def reachable(url: str) -> bool:
-    parts = urlsplit(url)
-    try:
-        with socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 0), timeout=1.0):
-            return True
-    except OSError:
-        return False
-
-
-def require_server(url: str, what: str) -> None:
-    """Skip when run by hand without the server; in CI a missing server is a failure."""
-    if reachable(url):
-        return
-    message = f"{what} at {urlsplit(url).hostname}:{urlsplit(url).port} is not reachable"
-    if os.environ.get("CI"):
-        pytest.fail(message + " (CI is set: a missing service fails the run)")
-    pytest.skip(message)
 
 
 def backend_url(backend: str, tmp_path: Path) -> str:

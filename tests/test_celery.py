@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-import shutil
 import socket
 import subprocess
 import threading
@@ -41,6 +40,7 @@ from singleton_tasks import (
 )
 from singleton_tasks.celery import GENERATION_HEADER, SingletonTask, gatekeeper_for, install
 from singleton_tasks.stores import Store
+from singleton_tasks.testing import require_executable
 
 FAST = {"retry_delay": 0.1, "retry_jitter": 0.02, "max_retry_delay": 0.3}
 
@@ -546,8 +546,7 @@ class RedisServer:
 
 @pytest.fixture
 def outage_redis(tmp_path: Path) -> Iterator[RedisServer]:
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed")
+    require_executable("redis-server")
     server = RedisServer(tmp_path)
     server.start()
     yield server

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import shutil
 import subprocess
 import threading
 import time
@@ -15,7 +14,7 @@ from typing import Any
 
 import dramatiq
 import pytest
-from conftest import StoreFactory, reachable
+from conftest import StoreFactory
 from dramatiq.brokers.stub import StubBroker
 from dramatiq.middleware import AgeLimit, MiddlewareError
 from dramatiq.results import ResultMissing, Results
@@ -35,6 +34,7 @@ from singleton_tasks import (
 from singleton_tasks.dramatiq import GENERATION, QueueFull, SingletonMiddleware
 from singleton_tasks.outcomes import RunState
 from singleton_tasks.stores import SCHEMA_VERSION
+from singleton_tasks.testing import reachable, require_executable, unavailable
 
 QUEUE = "default"
 FAST = {"retry_delay": 0.05, "retry_jitter": 0.01}
@@ -708,12 +708,9 @@ class RedisServer:
 
 @pytest.fixture
 def outage_redis() -> Iterator[RedisServer]:
-    if shutil.which("redis-server") is None:
-        if __import__("os").environ.get("CI"):
-            pytest.fail("redis-server is not installed (CI is set)")
-        pytest.skip("redis-server is not installed")
+    require_executable("redis-server")
     if reachable(f"redis://127.0.0.1:{OUTAGE_PORT}"):
-        pytest.skip(f"port {OUTAGE_PORT} is taken")
+        unavailable(f"port {OUTAGE_PORT} is taken")
     server = RedisServer(OUTAGE_PORT)
     server.start()
     yield server

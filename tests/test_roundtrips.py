@@ -8,8 +8,6 @@ show as ``lua`` and are not round trips; ``INFO commandstats`` deltas cross-chec
 
 from __future__ import annotations
 
-import os
-import shutil
 import socket
 import subprocess
 import time
@@ -19,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from singleton_tasks.testing import require_executable
 
 redis = pytest.importorskip("redis")
 
@@ -31,18 +31,25 @@ pytestmark = pytest.mark.redis
 @pytest.fixture(scope="module")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A private redis-server on a free loopback port, stopped after the module."""
-    executable = shutil.which("redis-server")
-    if executable is None:
-        if os.environ.get("CI"):
-            pytest.fail("redis-server is not installed (CI is set)")
-        pytest.skip("redis-server is not installed")
+    executable = require_executable("redis-server")
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     directory: Path = tmp_path_factory.mktemp("redis")
     server = subprocess.Popen(
-        [executable, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
-         "--dir", str(directory)],
+        [
+            executable,
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(directory),
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

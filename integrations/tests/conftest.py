@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import os
-import socket
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import pytest
 from rich.console import Console
@@ -30,28 +28,15 @@ from integrations.runner import (
     wait_store_idle,
 )
 from integrations.settings import BROKER_URLS, LOG_URL, REDIS_URL, Settings
+from singleton_tasks.testing import require_server, unavailable
 
 FRAMEWORKS = ["dramatiq", "celery"]
 BROKERS = ["redis", "rabbitmq"]
 
 
-def reachable(url: str) -> bool:
-    parts = urlsplit(url)
-    try:
-        with socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 0), timeout=1.0):
-            return True
-    except OSError:
-        return False
-
-
 def require(url: str, what: str) -> None:
     """Skip when run by hand without the server; with ``CI`` set a missing server fails the run."""
-    if reachable(url):
-        return
-    message = f"{what} at {urlsplit(url).hostname}:{urlsplit(url).port} is not reachable"
-    if os.environ.get("CI"):
-        pytest.fail(message + " (CI is set: a missing service fails the run)")
-    pytest.skip(message)
+    require_server(url, what)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -131,9 +116,7 @@ def report(pytestconfig: pytest.Config) -> Callable[[CheckResult], None]:
 def postgres_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PostgresServer]:
     """A PostgreSQL of the runner's own (initdb once per session), so a restart touches nothing shared."""
     if postgres_bin() is None:
-        if os.environ.get("CI"):
-            pytest.fail("PostgreSQL server binaries are needed for the store outage scenario")
-        pytest.skip("PostgreSQL server binaries (/usr/lib/postgresql/*/bin) not installed")
+        unavailable("PostgreSQL server binaries (/usr/lib/postgresql/*/bin) are not installed")
     directory = Path("/tmp") / f"singleton-pg-{uuid.uuid4().hex[:8]}"
     server = PostgresServer(directory)
     server.init()
