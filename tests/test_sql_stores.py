@@ -293,8 +293,17 @@ def test_postgres_keys_do_not_wait_on_each_other() -> None:
 # -- many processes on one key --------------------------------------------------------------------------
 
 
-def _process_worker(url: str, namespace: str, marker: str, index: int, runs: int) -> list[int]:
+# A gated waiter does not spin on the store (spinning writers can starve the releasing process
+# of SQLite's write lock for seconds under load): it waits for the releaser's wake, as deferred
+# messages do, with a fallback re-check like the retry timer.
+_WAKE_FALLBACK = 5.0
+
+
+def _process_worker(
+    url: str, namespace: str, marker: str, index: int, runs: int, wakes: list[Any]
+) -> list[int]:
     import os
+    import queue
 
     store = store_from_url(url, namespace=namespace)
     tokens = []
@@ -302,18 +311,26 @@ def _process_worker(url: str, namespace: str, marker: str, index: int, runs: int
         for n in range(runs):
             spec = RunSpec("s", "one-at-a-time", f"p{index}-{n}")
             store.register(spec, now=1.0)
-            generation = 0
-            while True:
-                outcome = store.claim(spec, generation, None, now=1.0)
-                if outcome.decision is Decision.ADMITTED:
-                    break
+            outcome = store.claim(spec, 0, None, now=1.0)
+            while outcome.decision is not Decision.ADMITTED:
+                assert outcome.decision is Decision.GATED, outcome
                 generation = outcome.generation or 0
+                try:
+                    run_id, generation = wakes[index].get(timeout=_WAKE_FALLBACK)
+                    assert run_id == spec.run_id
+                except queue.Empty:
+                    pass
+                outcome = store.claim(spec, generation, None, now=1.0)
             fd = os.open(marker, os.O_CREAT | os.O_EXCL)  # fails if another process is inside
             os.close(fd)
             os.unlink(marker)
             assert outcome.token is not None
             tokens.append(outcome.token)
-            assert store.release("s", "one-at-a-time", spec.run_id, token=outcome.token, now=1.0).released
+            released = store.release("s", "one-at-a-time", spec.run_id, token=outcome.token, now=1.0)
+            assert released.released
+            for wake in released.wakes:
+                owner = int(wake.run_id[1:].split("-")[0])
+                wakes[owner].put((wake.run_id, wake.generation))
     finally:
         store.close()
     return tokens
@@ -327,8 +344,9 @@ def test_processes_never_overlap(sql_url: str, tmp_path: Path) -> None:
     setup.migrate()
     marker = str(tmp_path / "inside")
     context = multiprocessing.get_context("spawn")
-    with context.Pool(4) as pool:
-        results = pool.starmap(_process_worker, [(sql_url, namespace, marker, i, 5) for i in range(4)])
+    with context.Manager() as manager, context.Pool(4) as pool:
+        wakes = [manager.Queue() for _ in range(4)]
+        results = pool.starmap(_process_worker, [(sql_url, namespace, marker, i, 5, wakes) for i in range(4)])
     tokens = sorted(t for result in results for t in result)
     assert tokens == list(range(1, 21))  # every admission got its own, increasing token
     assert setup.snapshot(now=2.0) == []
