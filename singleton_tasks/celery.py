@@ -352,8 +352,16 @@ def _settle(gatekeeper: Gatekeeper, what: str, action: Callable[[], object]) -> 
         gatekeeper.retry_later(action, what)
 
 
-def _settle_elsewhere(task: Any, run_id: str | None, args: Any, kwargs: Any, why: str) -> None:
-    """Settle a run from the worker's main process, where no admission token is known."""
+def _settle_elsewhere(
+    task: Any, run_id: str | None, args: Any, kwargs: Any, why: str, *, copy_generation: int | None = None
+) -> None:
+    """Settle a run from the worker's main process, where no admission token is known.
+
+    ``copy_generation=None``: the copy that was executing ended (terminated, hard time limit,
+    worker lost), so the run is settled whatever it holds. Otherwise a copy that never started
+    was discarded (revoked, expired): it settles the run only if it is a live copy, found by
+    claiming first, so a stale delayed copy never frees the slot of a run executing elsewhere.
+    """
     bound = task._singleton_binding()
     if bound is None or not run_id:
         return
@@ -364,13 +372,27 @@ def _settle_elsewhere(task: Any, run_id: str | None, args: Any, kwargs: Any, why
     except SingletonKeyError:
         return  # never registered: its delivery failed at the gate
 
-    def release() -> None:
-        outcome = gatekeeper.release(task.name, spec, token=None)
+    def release(token: int | None) -> None:
+        outcome = gatekeeper.release(task.name, spec, token=token)
         if outcome.released:
             logger.info("%s run %s settled: %s", task.name, run_id, why)
         _publish_wakes(app, outcome.wakes)
 
-    _settle(gatekeeper, f"settle {task.name} run {run_id} ({why})", release)
+    def settle_copy(generation: int) -> None:
+        outcome = gatekeeper.claim(task.name, spec, generation, None)
+        _publish_wakes(app, outcome.wakes)
+        if outcome.decision is Decision.ADMITTED:
+            release(outcome.token)
+        elif outcome.decision is Decision.GATED:
+            release(None)
+        else:  # BUSY: the run executes elsewhere and settles there; STALE: nothing to do
+            logger.debug("%s run %s: %s copy left alone (%s)", task.name, run_id, why, outcome.decision.value)
+
+    what = f"settle {task.name} run {run_id} ({why})"
+    if copy_generation is None:
+        _settle(gatekeeper, what, lambda: release(None))
+    else:
+        _settle(gatekeeper, what, lambda: settle_copy(copy_generation))
 
 
 def _on_revoked(
@@ -380,7 +402,8 @@ def _on_revoked(
     if not isinstance(task, SingletonTask) or request is None:
         return
     why = "expired" if expired else ("revoked and terminated" if terminated else "revoked")
-    _settle_elsewhere(task, request.id, request.args, request.kwargs, why)
+    generation = None if terminated else _generation_of(request)
+    _settle_elsewhere(task, request.id, request.args, request.kwargs, why, copy_generation=generation)
 
 
 def _on_failure(

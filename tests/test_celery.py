@@ -442,8 +442,8 @@ def test_revoke_of_a_waiter_and_of_a_retrying_holder(store: Store, journal: Jour
     wait_for(lambda: runs_of(store) == [], what="the store to empty")
 
 
-def test_an_expired_waiter_is_settled(store: Store, journal: Journal) -> None:
-    app = make_app(store)
+def held_key_job(app: Celery, journal: Journal) -> tuple[Any, threading.Event]:
+    """A singleton task on key "k" whose "holder" run holds until the returned event is set."""
     gate_open = threading.Event()
 
     @app.task(base=SingletonTask, singleton={"key": "k"}, name=unique(), shared=False)
@@ -453,6 +453,12 @@ def test_an_expired_waiter_is_settled(store: Store, journal: Journal) -> None:
                 assert gate_open.wait(10)
         return label
 
+    return job, gate_open
+
+
+def test_an_expired_waiter_is_settled(store: Store, journal: Journal) -> None:
+    app = make_app(store)
+    job, gate_open = held_key_job(app, journal)
     with worker(app):
         holder = job.delay("holder")
         wait_for(lambda: bool(journal.get("holder")), what="holder to start")
@@ -464,6 +470,34 @@ def test_an_expired_waiter_is_settled(store: Store, journal: Journal) -> None:
         assert after.get(interval=0.01, timeout=10) == "after"
     assert journal.get("expiring") == []
     assert expiring.state == "REVOKED"
+
+
+@pytest.mark.parametrize("copy_generation", [0, 7], ids=["admitted-copy", "stale-copy"])
+def test_a_discarded_copy_of_a_running_holder_keeps_its_slot(
+    store: Store, journal: Journal, copy_generation: int
+) -> None:
+    """An expired or revoked copy of a run that executes elsewhere must not free its slot (SPEC §3.7)."""
+    from celery import signals
+    from celery.app.task import Context
+
+    app = make_app(store)
+    job, gate_open = held_key_job(app, journal)
+    with worker(app):
+        holder = job.delay("holder")
+        wait_for(lambda: bool(journal.get("holder")), what="holder to start")
+        follower = job.delay("follower")
+        wait_for(lambda: follower.id in runs_of(store) and len(runs_of(store)) == 2, what="follower in line")
+        # What the worker's main process announces when a delayed copy of the holder expires.
+        copy = Context(id=holder.id, args=["holder"], kwargs={}, headers={GENERATION_HEADER: copy_generation})
+        signals.task_revoked.send(sender=job, request=copy, terminated=False, expired=True)
+        (snap,) = store.snapshot(now=time.time(), scope=job.name)
+        assert [h.run_id for h in snap.holders] == [holder.id]  # the slot stays with the running body
+        assert [w.run_id for w in snap.waiters] == [follower.id]
+        gate_open.set()
+        assert holder.get(interval=0.01, timeout=10) == "holder"
+        assert follower.get(interval=0.01, timeout=10) == "follower"
+    assert [r.run_id for r in journal.records] == [holder.id, follower.id]
+    assert journal.overlaps == []
 
 
 # -- deterministic run ids (SPEC §7) -------------------------------------------------------------
@@ -575,7 +609,7 @@ def test_store_outage_runs_nothing_without_a_slot_and_loses_nothing(
             waiters = [job.delay(f"w{i}") for i in range(2)]
             time.sleep(0.2)
             outage_redis.stop()
-            with pytest.raises(StoreUnavailableError):
+            with pytest.raises(StoreUnavailableError, match=rf"{job.name} run .* \(key 'k'\)"):
                 job.delay("refused")
             holder_may_finish.set()  # its release fails: retried in the background
             assert holder.get(interval=0.01, timeout=10) == "holder"
