@@ -20,7 +20,7 @@ from typing import Any
 
 from . import clock, metrics
 from .config import DISABLED, BoundSingleton
-from .errors import SingletonQueueFullError
+from .errors import SingletonQueueFullError, StoreUnavailableError
 from .outcomes import (
     ClaimOutcome,
     Decision,
@@ -156,7 +156,13 @@ class Gatekeeper:
         full_error: type[SingletonQueueFullError] = SingletonQueueFullError,
     ) -> RegisterOutcome:
         """Enqueue: register a pending waiter or raise ``full_error`` (StoreUnavailableError passes)."""
-        outcome = self.store.register(spec, now=clock.now(), confirmed=confirmed)
+        try:
+            outcome = self.store.register(spec, now=clock.now(), confirmed=confirmed)
+        except StoreUnavailableError as error:
+            # The store's message names the server; the caller also needs the task and the key.
+            raise StoreUnavailableError(
+                f"{bound.task_name} run {spec.run_id} (key {spec.key!r}) not enqueued: {error}"
+            ) from error
         if outcome.status is Registered.FULL:
             metrics.observe_rejected(bound.task_name)
             logger.info("rejected %s run %s: key %r is full", bound.task_name, spec.run_id, spec.key)

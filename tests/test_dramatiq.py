@@ -736,6 +736,7 @@ def test_store_outage_runs_no_body_without_a_slot_and_loses_nothing(
     with pytest.raises(StoreUnavailableError) as caught:
         job.send("K", "r4")
     assert isinstance(caught.value, MiddlewareError)
+    assert job.actor_name in str(caught.value) and "'K'" in str(caught.value)  # names task and key
     assert "r4" not in env.probe.labels_published()
     # Deliveries keep coming back and are deferred (fail closed); the holder finishes meanwhile.
     env.journal.wait(lambda: all(env.probe.delivered(mid) >= n + 3 for mid, n in before.items()))
