@@ -82,18 +82,22 @@ def singleton(
     lease: float | None = None,
     orphan_timeout: float | None = None,
 ) -> Callable[[T], T]:
-    """Make the decorated task a durable FIFO mutex per key; validated here, at declaration."""
-    config = SingletonConfig(
-        key=key,
-        limit=limit,
-        max_queue_depth=max_queue_depth,
-        scope=scope,
-        lease=lease,
-        orphan_timeout=orphan_timeout,
-    )
+    """Make the decorated task a durable FIFO mutex per key; validated at declaration.
+
+    The options are checked when the decorator is applied, so an error names the task.
+    """
+    options = {
+        "key": key,
+        "limit": limit,
+        "max_queue_depth": max_queue_depth,
+        "scope": scope,
+        "lease": lease,
+        "orphan_timeout": orphan_timeout,
+    }
 
     def decorate(task: T) -> T:
         description = describe(task)
+        config = SingletonConfig.coerce(options, task_name=description.name)
         bound = BoundSingleton.bind(config, task_name=description.name, signature=description.signature)
         result: Any = description.attach(bound)
         return result  # type: ignore[no-any-return]

@@ -127,8 +127,16 @@ def test_decorator_on_a_plain_function() -> None:
     assert bound.config.limit == 2 and bound.config.max_queue_depth == 3
     assert bound.scope == bound.task_name and bound.task_name.endswith("task")
     assert bound.derive_key((5,), {}) == "store:5"
-    with pytest.raises(SingletonConfigError, match="limit"):
-        singleton(key="k", limit=0)
+    with pytest.raises(SingletonConfigError, match=r"other_task: singleton limit .* got 0"):
+
+        @singleton(key="k", limit=0)
+        def other_task() -> None: ...
+
+    with pytest.raises(SingletonConfigError, match=r"third_task: .*max_queue_depth.* got -1"):
+
+        @singleton(key="k", max_queue_depth=-1)
+        def third_task() -> None: ...
+
     with pytest.raises(SingletonConfigError, match="cannot handle"):
         singleton(key="k")(42)
 
@@ -221,6 +229,16 @@ def test_malformed_url_lists_the_known_schemes(url: str) -> None:
 def test_non_str_url() -> None:
     with pytest.raises(SingletonConfigError):
         store_from_url(None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("url", "option"),
+    [("sqlite:///x.db", "bogus"), ("memory://", "busy_timeout"), ("postgresql://u:secret@h/db", "nope")],
+)
+def test_unknown_store_option_names_it_and_hides_the_password(url: str, option: str) -> None:
+    with pytest.raises(SingletonConfigError, match=option) as caught:
+        store_from_url(url, **{option: 1})
+    assert "secret" not in str(caught.value)
 
 
 SECRET_URLS = [

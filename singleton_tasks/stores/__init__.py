@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -46,6 +47,10 @@ def store_from_url(url: str, *, namespace: str = "default", **options: Any) -> S
             f"pip install 'singleton-tasks[{extra.get(scheme, scheme)}]' ({error})"
         ) from error
     store_class: type[Store] = getattr(module, class_name)
+    try:
+        inspect.signature(store_class).bind(url, namespace=namespace, **options)
+    except TypeError as error:
+        raise SingletonConfigError(f"unsupported option for the store {redact_url(url)}: {error}") from None
     return store_class(url, namespace=namespace, **options)
 
 
