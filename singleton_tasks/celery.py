@@ -25,7 +25,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, ClassVar, NoReturn
 
-from celery import Celery, Task, signals
+from celery import Celery, Task, bootsteps, signals
 from celery import states as celery_states
 from celery._state import _get_active_apps, connect_on_app_finalize, get_current_worker_task
 from celery.canvas import Signature
@@ -104,7 +104,25 @@ def install(
         setattr(app, _APP_GATEKEEPER, None)  # built at first use, so app.conf may still change
     if previous is not None:
         previous.close()
+    steps = app.steps["worker"]
+    if _SchemaCheck not in steps:
+        steps.add(_SchemaCheck)
     _connect_signals()
+
+
+class _SchemaCheck(bootsteps.StartStopStep):  # type: ignore[misc]
+    """Worker start: refuse a missing or incompatible store schema (SPEC §8), before consuming."""
+
+    label = "singleton-tasks schema check"
+
+    def start(self, worker: Any) -> None:
+        gatekeeper = gatekeeper_for(worker.app)
+        try:
+            gatekeeper.check()  # SchemaVersionError: "Unrecoverable error", exit 1
+        except StoreUnavailableError as error:
+            logger.warning("singleton store unavailable at worker start (%s); gating fails closed", error)
+        finally:
+            gatekeeper.close()  # no client crosses the pool's fork; reopened at first use
 
 
 def gatekeeper_for(app: Celery) -> Gatekeeper:

@@ -945,3 +945,28 @@ def test_a_forked_pool_process_heartbeats_with_its_own_thread() -> None:
         os.close(read)
         os.waitpid(pid, 0)
         gatekeeper.close()
+
+
+# -- worker start (SPEC §8) -----------------------------------------------------------------------
+# Not PostgreSQL: its schema version is database-wide, other tests would see the change.
+@pytest.mark.parametrize("backend", ["memory", "sqlite", "redis"])
+def test_worker_refuses_to_start_on_an_incompatible_schema(
+    store_factory: StoreFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    from celery.worker import WorkController
+
+    from singleton_tasks.stores import SCHEMA_VERSION
+
+    store = store_factory()
+    app = make_app(store)
+    store.set_schema_version_for_tests(SCHEMA_VERSION + 1)  # type: ignore[attr-defined]
+    try:
+        controller = WorkController(app=app, pool_cls="solo", concurrency=1, without_heartbeat=True)
+        runner = threading.Thread(target=controller.start, daemon=True)
+        runner.start()
+        runner.join(30)  # with a compatible schema it would consume until stopped
+        assert not runner.is_alive(), "the worker started against an incompatible schema"
+        assert controller.exitcode == 1
+        assert "migrate" in caplog.text
+    finally:
+        store.set_schema_version_for_tests(SCHEMA_VERSION)  # type: ignore[attr-defined]
