@@ -249,6 +249,9 @@ class SingletonTask(Task):  # type: ignore[misc]
             outcome = gatekeeper.register(bound, spec, confirmed=True)
         except StoreUnavailableError:
             if not dispatch:
+                # The registration may have been written before the reply was lost (a timeout):
+                # undo it, or a pending waiter that was never published would hold the line.
+                _undo_registration(gatekeeper, spec, self.name)
                 raise
             logger.warning("store unavailable: publishing %s run %s unregistered", self.name, run_id)
             return publish(run_id)  # registered at first delivery (SPEC §4)
@@ -258,10 +261,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         try:
             return publish(run_id)
         except BaseException:
-            try:
-                gatekeeper.unregister(spec)
-            except StoreUnavailableError:
-                logger.exception("could not undo the registration of %s run %s", self.name, run_id)
+            _undo_registration(gatekeeper, spec, self.name)
             raise
 
     # -- gate (SPEC §3.2–§3.3, §4) ---------------------------------------------------------
@@ -359,6 +359,15 @@ def _on_postrun(
                 app, gatekeeper.release(task.name, spec, token=token, generation=generation).wakes
             ),
         )
+
+
+def _undo_registration(gatekeeper: Gatekeeper, spec: RunSpec, task_name: str) -> None:
+    """Remove a registration whose run was not published (only a pending one is removed)."""
+    _settle(
+        gatekeeper,
+        f"undo the registration of {task_name} run {spec.run_id}",
+        lambda: gatekeeper.unregister(spec),
+    )
 
 
 def _settle(gatekeeper: Gatekeeper, what: str, action: Callable[[], object]) -> None:

@@ -202,6 +202,11 @@ class SingletonMiddleware(dramatiq.Middleware):
             if lenient:
                 logger.warning("%s run %s: %s; registered at delivery", bound.task_name, spec.run_id, error)
                 return
+            # The registration may have been written before the reply was lost (a timeout): undo
+            # it now rather than leave a ghost until its grace lapses and the key is touched again.
+            self._or_later(
+                lambda: self.gatekeeper.unregister(spec), f"undoing the registration of run {spec.run_id}"
+            )
             raise StoreUnavailable(str(error)) from error
         if outcome.status is Registered.EXISTS:
             # A start of a run id that is already in line (SPEC §7): this copy is dropped at the gate.

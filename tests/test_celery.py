@@ -39,7 +39,9 @@ from singleton_tasks import (
     store_from_url,
 )
 from singleton_tasks.celery import GENERATION_HEADER, SingletonTask, gatekeeper_for, install
+from singleton_tasks.outcomes import RegisterOutcome, RunSpec
 from singleton_tasks.stores import Store
+from singleton_tasks.stores.memory import MemoryStore
 from singleton_tasks.testing import require_executable
 
 FAST = {"retry_delay": 0.1, "retry_jitter": 0.02, "max_retry_delay": 0.3}
@@ -970,3 +972,35 @@ def test_worker_refuses_to_start_on_an_incompatible_schema(
         assert "migrate" in caplog.text
     finally:
         store.set_schema_version_for_tests(SCHEMA_VERSION)  # type: ignore[attr-defined]
+
+
+# -- an ambiguous store failure at enqueue (the reply lost after the write) -----------------------
+class _ReplyLostOnRegister(MemoryStore):
+    """A real memory store whose first register writes, then fails like a timed-out round trip."""
+
+    failures = 1
+
+    def register(self, spec: RunSpec, *, now: float, confirmed: bool = True) -> RegisterOutcome:
+        outcome = super().register(spec, now=now, confirmed=confirmed)
+        if self.failures:
+            self.failures -= 1
+            raise StoreUnavailableError("reply lost: timed out after the command was sent")
+        return outcome
+
+
+def test_a_registration_whose_reply_was_lost_is_undone(journal: Journal) -> None:
+    store = _ReplyLostOnRegister(f"memory://{unique()}")
+    app = make_app(store)
+
+    @app.task(base=SingletonTask, singleton={"key": "k"}, name=unique(), shared=False)
+    def job(label: str) -> str:
+        with journal.body(label, "k"):
+            return label
+
+    with pytest.raises(StoreUnavailableError, match="reply lost"):
+        job.delay("lost")
+    assert queued(app) == 0 and runs_of(store) == []  # nothing published, no ghost in line
+    later = job.delay("later")
+    with worker(app):
+        assert later.get(interval=0.01, timeout=10) == "later"
+    assert journal.labels() == ["later"]
