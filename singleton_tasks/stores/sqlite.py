@@ -13,6 +13,7 @@ import contextlib
 import os
 import sqlite3
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from urllib.parse import unquote, urlsplit
@@ -72,13 +73,28 @@ class SQLiteStore(SQLStore):
             raise StoreUnavailableError(f"{self.url}: cannot open {self.path!r}: {error}") from error
         try:
             if not self._memory:
-                # Persistent in the file; readers never block the writer. synchronous stays FULL
-                # (the default): a committed admission survives a power loss.
-                connection.execute("PRAGMA journal_mode=WAL")
+                self._enable_wal(connection)
         except sqlite3.Error as error:
             connection.close()
             raise StoreUnavailableError(f"{self.url}: cannot enable WAL on {self.path!r}: {error}") from error
         return connection
+
+    def _enable_wal(self, connection: sqlite3.Connection) -> None:
+        """WAL is persistent in the file; readers never block the writer.
+
+        synchronous stays FULL (the default): a committed admission survives a power loss.
+        Switching a new file to WAL can answer "database is locked" at once, without SQLite's
+        busy handler, while another process switches it too: try again within busy_timeout.
+        """
+        deadline = time.monotonic() + self.busy_timeout
+        while True:
+            try:
+                connection.execute("PRAGMA journal_mode=WAL")
+                return
+            except sqlite3.OperationalError as error:
+                if "locked" not in str(error) or time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.01)
 
     def _connection(self) -> sqlite3.Connection:
         """This thread's connection (in memory: the one shared connection)."""

