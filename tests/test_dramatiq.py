@@ -502,7 +502,9 @@ def test_age_limit_expiry_releases(make_env: Callable[..., Env], position: str) 
     job.send("K", "after")
     env.join(fail_fast=False)
     assert env.journal.started() == ["long", "after"]
-    assert [m.message_id for m in env.broker.dead_letters] == [expired.message_id]
+    # AgeLimit runs before our gate: when the holder's wake copy and the delayed copy of the aged
+    # run both arrive, each is failed to the dead letters (a re-driven extra copy is then stale).
+    assert {m.message_id for m in env.broker.dead_letters} == {expired.message_id}
     assert env.keys() == []
 
 
