@@ -1,8 +1,10 @@
 """A small Dramatiq app for the worker-process tests: configured from ``SINGLETON_APP_*`` env vars.
 
 Run as ``dramatiq dramatiq_app --path tests/workers``; the tests build the same app in their own
-process (``build(config)``) to send messages. Bodies append one JSON line per run to a Redis list;
-a probe middleware (before SingletonMiddleware) appends one line per delivery to another.
+process (``build(config)``) to send messages. Bodies append one JSON line per attempt to a Redis
+list (and one per start to another); a probe middleware (before SingletonMiddleware) appends one
+line per delivery to a third. Results are stored in the same Redis; ``Results`` is added after
+``SingletonMiddleware``, as a user appending both would.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from typing import Any
 
 import dramatiq
 import redis
+from dramatiq.results import Results
+from dramatiq.results.backends import RedisBackend
 
 from singleton_tasks import current_admission
 from singleton_tasks.dramatiq import GENERATION, SingletonMiddleware
@@ -54,7 +58,15 @@ class DeliveryLog(dramatiq.Middleware):
         self.client.rpush(self.key + ":deliveries", json.dumps(entry))
 
 
-def build(config: AppConfig) -> tuple[dramatiq.Broker, dramatiq.Actor[Any, Any]]:
+# The actors every worker test can use: name -> singleton option.
+SINGLETONS: dict[str, dict[str, Any]] = {
+    "record": {"key": "{key}"},
+    "pair": {"key": "{key}", "limit": 2},
+    "capped": {"key": "{key}", "max_queue_depth": 2},
+}
+
+
+def build(config: AppConfig) -> tuple[dramatiq.Broker, dict[str, dramatiq.Actor[Any, Any]]]:
     broker: dramatiq.Broker
     if config.broker == "redis":
         from dramatiq.brokers.redis import RedisBroker
@@ -71,26 +83,47 @@ def build(config: AppConfig) -> tuple[dramatiq.Broker, dramatiq.Actor[Any, Any]]
             config.store, namespace=config.namespace, retry_delay=config.retry_delay, retry_jitter=0.0
         )
     )
+    broker.add_middleware(Results(backend=RedisBackend(client=log, namespace=config.log_key)))
 
-    @dramatiq.actor(broker=broker, queue_name=config.queue, max_retries=0, singleton={"key": "{key}"})
-    def record(key: str, label: str, duration: float) -> None:
+    def record(key: str, label: str, duration: float, fails: int = 0) -> str:
+        """Sleeps ``duration``; raises on its first ``fails`` attempts (Retries decides what follows)."""
         admitted = current_admission()
+        run_id = admitted.run_id if admitted else None
+        attempt = log.incr(f"{config.log_key}:attempts:{run_id}")
         start = time.time()
+        log.rpush(config.log_key + ":started", json.dumps({"key": key, "label": label, "start": start}))
         time.sleep(duration)
         entry = {
             "key": key,
             "label": label,
-            "run_id": admitted.run_id if admitted else None,
+            "run_id": run_id,
             "token": admitted.token if admitted else None,
             "pid": os.getpid(),
+            "attempt": attempt,
+            "outcome": "raise" if attempt <= fails else "ok",
             "start": start,
             "end": time.time(),
         }
         log.rpush(config.log_key, json.dumps(entry))
+        if attempt <= fails:
+            raise RuntimeError(f"{label}: attempt {attempt} fails on purpose")
+        return f"done:{label}"
 
-    return broker, record
+    actors = {
+        name: dramatiq.actor(
+            record,
+            actor_name=name,
+            broker=broker,
+            queue_name=config.queue,
+            max_retries=0,
+            store_results=True,
+            singleton=singleton,
+        )
+        for name, singleton in SINGLETONS.items()
+    }
+    return broker, actors
 
 
 if os.environ.get("SINGLETON_APP_BROKER"):  # imported by the dramatiq CLI
-    broker, record = build(AppConfig.from_env())
+    broker, actors = build(AppConfig.from_env())
     dramatiq.set_broker(broker)
