@@ -247,6 +247,15 @@ def send_all(rig: Rig, n: int) -> tuple[float, list[str]]:
 def case_noop(report: Report, size: Size, runs: int) -> None:
     n = size.noop
     enqueue: dict[str, list[float]] = {}
+    # CPU per run (this process, and the Redis server that is both broker and store) does not
+    # depend on what else the machine runs, unlike throughput.
+    cpu: dict[str, list[float]] = {}
+    server_cpu: dict[str, list[float]] = {}
+    server = redis.Redis.from_url(STORE_REDIS_URL)
+
+    def server_seconds() -> float:
+        info = server.info("cpu")
+        return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
     def run(variant: str) -> Callable[[], float | None]:
         def once() -> float:
@@ -254,11 +263,14 @@ def case_noop(report: Report, size: Size, runs: int) -> None:
             try:
                 seconds, _ = send_all(rig, n)
                 enqueue.setdefault(variant, []).append(n / seconds)
+                cpu0, server0 = time.process_time(), server_seconds()
                 with worker(rig):
                     t0 = time.perf_counter()
                     if not rig.recorder.done.wait(300):
                         raise RuntimeError(f"no-op {variant}: only {len(rig.recorder.spans)}/{n} ran")
                     t1 = max(s.end for s in rig.recorder.spans)
+                    cpu.setdefault(variant, []).append((time.process_time() - cpu0) / n * 1e6)
+                    server_cpu.setdefault(variant, []).append((server_seconds() - server0) / n * 1e6)
                 return n / (t1 - t0)
             finally:
                 cleanup(rig)
@@ -311,6 +323,26 @@ def case_noop(report: Report, size: Size, runs: int) -> None:
             note="register + confirm per send",
         )
     )
+    names = {"plain": "plain Dramatiq", "singleton": "SingletonMiddleware", "crl": "ConcurrentRateLimiter"}
+    measures = [
+        ("worker CPU per run", cpu, "worker process, all threads"),
+        ("Redis server CPU per run", server_cpu, "broker and store share the server"),
+    ]
+    for what, values, note in measures:
+        for variant, name in names.items():
+            report.add(
+                Row(
+                    case,
+                    f"{what}: {name}",
+                    "µs",
+                    values[variant],
+                    baseline=None if variant == "plain" else f"{what}: plain Dramatiq",
+                    higher_is_better=False,
+                    key=f"noop.{what.split()[0].lower()}_cpu.{variant}",
+                    note=note,
+                )
+            )
+    server.close()
     ratio = statistics.median(results["singleton"]) / statistics.median(results["plain"])
     report.target("1", "singleton ≥ 0.80× plain throughput", f"{ratio:.2f}×", ratio >= 0.80)
 
