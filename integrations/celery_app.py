@@ -7,9 +7,11 @@ their own process with :func:`build`.
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
-from celery import Celery, Task
+from celery import Celery, Task, signals
 
 from singleton_tasks import current_admission
 from singleton_tasks.celery import SingletonTask, install
@@ -97,5 +99,46 @@ def build(settings: Settings) -> Celery:
     return app
 
 
+def log_deliveries(app: Celery, settings: Settings, log: RunLog) -> None:
+    """Log every delivery of the app's tasks (``integration_deliveries``); worker processes only.
+
+    ``task_prerun`` runs before ``before_start`` (the gate) and ``task_postrun`` after everything, for
+    every state: a deferred or dropped copy is ``IGNORED`` with the gate's reason as its ``retval``.
+    On Redis, ``task_received`` (the consumer's main process, after kombu recorded the message as
+    unacked) is logged too: the checker's evidence that a message reached a worker (see
+    :func:`integrations.checker.lost_to_broker`).
+    """
+    names = {*SINGLETON_TASKS, PLAIN_TASK}
+    local = threading.local()
+
+    def prerun(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
+        if getattr(sender, "name", None) in names and task_id:
+            local.__dict__[task_id] = time.time()
+
+    def postrun(
+        sender: Any = None, task_id: str | None = None, retval: Any = None, state: str | None = None, **_: Any
+    ) -> None:
+        if getattr(sender, "name", None) not in names or not task_id:
+            return
+        started = local.__dict__.pop(task_id, None)
+        if started is None:
+            return
+        detail = str(state)
+        if state in ("IGNORED", "RETRY", "REJECTED"):
+            detail += f": {retval}"[:120]
+        log.delivery(settings.run, task_id, "delivery", settings.worker, started, detail)
+
+    def received(sender: Any = None, request: Any = None, **_: Any) -> None:
+        if request is not None and getattr(request, "task_name", None) in names:
+            log.delivery(settings.run, request.id, "received", settings.worker, time.time())
+
+    signals.task_prerun.connect(prerun, weak=False)
+    signals.task_postrun.connect(postrun, weak=False)
+    if settings.broker == "redis":
+        signals.task_received.connect(received, weak=False)
+
+
 if configured():  # imported by the celery CLI in a worker process
-    app = build(Settings.from_env())
+    worker_settings = Settings.from_env()
+    app = build(worker_settings)
+    log_deliveries(app, worker_settings, RunLog(worker_settings.log_url))

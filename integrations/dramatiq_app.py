@@ -7,14 +7,16 @@ with :func:`build`.
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import dramatiq
-from dramatiq.middleware import CurrentMessage
+from dramatiq.middleware import CurrentMessage, Middleware
 
 from singleton_tasks import current_admission
-from singleton_tasks.dramatiq import SingletonMiddleware
+from singleton_tasks.dramatiq import GENERATION, SingletonMiddleware
 
 from .runlog import RunLog, perform
 from .settings import MAX_RETRIES, PLAIN_TASK, SINGLETON_TASKS, Settings, configured, make_store
@@ -26,6 +28,45 @@ class DramatiqApp:
     broker: dramatiq.Broker
     middleware: SingletonMiddleware
     actors: dict[str, dramatiq.Actor[Any, Any]]
+
+
+class DeliveryLog(Middleware):
+    """Logs every delivery of a message to a worker thread (a row in ``integration_deliveries``).
+
+    Added before :class:`SingletonMiddleware`, so its ``before_process_message`` runs before the
+    gate: a delivery the gate defers or drops (``SkipMessage``) is logged as ``skipped``, one that ran
+    the body as ``processed``. Written when the delivery ends: a delivery killed midway has no row.
+    """
+
+    def __init__(self, log: RunLog, settings: Settings) -> None:
+        self.log = log
+        self.settings = settings
+        self._local = threading.local()
+
+    def _started(self) -> dict[str, float]:
+        started: dict[str, float] | None = getattr(self._local, "started", None)
+        if started is None:
+            started = self._local.started = {}
+        return started
+
+    def before_process_message(self, broker: dramatiq.Broker, message: Any) -> None:
+        self._started()[message.message_id] = time.time()
+
+    def _done(self, message: Any, how: str) -> None:
+        started = self._started().pop(message.message_id, None)
+        if started is None:
+            return  # a second after_process_message (TimeLimit, Shutdown), or skipped before us
+        detail = f"{how} gen={message.options.get(GENERATION)}"
+        run, worker = self.settings.run, self.settings.worker
+        self.log.delivery(run, message.message_id, "delivery", worker, started, detail)
+
+    def after_process_message(
+        self, broker: dramatiq.Broker, message: Any, *, result: Any = None, exception: Any = None
+    ) -> None:
+        self._done(message, "processed" if exception is None else "processed raised")
+
+    def after_skip_message(self, broker: dramatiq.Broker, message: Any) -> None:
+        self._done(message, "skipped")
 
 
 def make_broker(settings: Settings) -> dramatiq.Broker:
@@ -49,6 +90,8 @@ def make_broker(settings: Settings) -> dramatiq.Broker:
 def build(settings: Settings) -> DramatiqApp:
     broker = make_broker(settings)
     broker.add_middleware(CurrentMessage())
+    log = RunLog(settings.log_url)
+    broker.add_middleware(DeliveryLog(log, settings))  # before the gate: sees deferred copies too
     middleware = SingletonMiddleware(
         make_store(settings),
         namespace=settings.namespace,
@@ -58,7 +101,6 @@ def build(settings: Settings) -> DramatiqApp:
         orphan_timeout=settings.orphan_timeout,
     )
     broker.add_middleware(middleware)
-    log = RunLog(settings.log_url)
     backoff_ms = max(1, round(settings.retry_backoff * 1000))
     options: dict[str, Any] = {
         "broker": broker,

@@ -3,7 +3,9 @@
 Every body inserts its row when it starts (``end`` NULL) and fills ``end`` when it returns or
 raises: a body killed mid-run keeps ``end`` NULL and the checker uses the kill time from
 ``integration_events``. Producers log every enqueue attempt (accepted or not), the runner logs
-every fault it injects.
+every fault it injects. Workers also log deliveries (``integration_deliveries``): every delivery of a
+task message to task code, gated or not, with how it ended (a body, a deferral, a dropped copy), and on
+Celery × Redis every message the consumer received (kombu recorded it as unacked by then).
 """
 
 from __future__ import annotations
@@ -72,6 +74,18 @@ CREATE TABLE IF NOT EXISTS integration_events (
     detail text NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS integration_events_run ON integration_events (run);
+CREATE TABLE IF NOT EXISTS integration_deliveries (
+    id bigserial PRIMARY KEY,
+    run text NOT NULL,
+    run_id text NOT NULL,
+    kind text NOT NULL,
+    worker text NOT NULL,
+    pid integer NOT NULL,
+    started double precision NOT NULL,
+    ended double precision NOT NULL,
+    detail text NOT NULL DEFAULT ''
+);
+CREATE INDEX IF NOT EXISTS integration_deliveries_run ON integration_deliveries (run);
 """
 
 _SCHEMA_LOCK = 0x51_6E_67_6C  # pg_advisory_xact_lock id: concurrent CREATE IF NOT EXISTS races otherwise
@@ -124,6 +138,27 @@ class Event:
 
 
 @dataclass(frozen=True)
+class Delivery:
+    """A message handed to a worker, logged when its handling ended (a delivery killed midway has no row).
+
+    ``kind``: ``"delivery"`` — the framework handed the message to task code (Dramatiq: a middleware
+    placed before the singleton gate; Celery: ``task_prerun`` … ``task_postrun``), ``started`` before
+    the gate and ``ended`` after the body or the deferral; ``detail`` says how it ended (Celery: the
+    state and, when ignored, the gate's reason — ``deferred …`` or ``stale copy dropped``; Dramatiq:
+    ``processed`` or ``skipped``). ``"received"`` — Celery's consumer received the message
+    (``task_received``: kombu has recorded it as unacked), ``started == ended``.
+    """
+
+    run_id: str
+    kind: str
+    worker: str
+    pid: int
+    start: float
+    end: float
+    detail: str
+
+
+@dataclass(frozen=True)
 class Scenario:
     run: str
     name: str
@@ -145,6 +180,7 @@ class RunData:
     bodies: tuple[Body, ...]
     enqueues: tuple[Enqueue, ...]
     events: tuple[Event, ...]
+    deliveries: tuple[Delivery, ...] = ()
 
 
 class RunLog:
@@ -235,6 +271,21 @@ class RunLog:
         finally:
             self.body_ended(row, outcome)
 
+    # -- deliveries ------------------------------------------------------------------------------
+    def delivery(
+        self, run: str, run_id: str, kind: str, worker: str, started: float, detail: str = ""
+    ) -> None:
+        self.execute(
+            "INSERT INTO integration_deliveries (run, run_id, kind, worker, pid, started, ended, detail)"
+            " VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
+            [run, run_id, kind, worker, os.getpid(), started, time.time(), detail],
+        )
+
+    def deliveries(self, run: str, run_id: str | None = None) -> list[Delivery]:
+        """The run's deliveries in start order (of one run id if given)."""
+        select = "SELECT run_id, kind, worker, pid, started, ended, detail FROM integration_deliveries"
+        return [Delivery(*row) for row in self._in_start_order(select, run, run_id)]
+
     # -- producers and faults ----------------------------------------------------------------------
     def enqueues(self, run: str, rows: Iterable[Enqueue]) -> None:
         batch = [
@@ -273,15 +324,18 @@ class RunLog:
 
     def bodies(self, run: str, run_id: str | None = None) -> list[Body]:
         """The run's bodies in start order (of one run id if given)."""
-        sql = (
+        select = (
             "SELECT scope, key, run_id, token, pid, worker, attempt, started, ended, outcome"
-            " FROM integration_bodies WHERE run = %s"
+            " FROM integration_bodies"
         )
-        params: list[Any] = [run]
+        return [Body(*row) for row in self._in_start_order(select, run, run_id)]
+
+    def _in_start_order(self, select: str, run: str, run_id: str | None) -> list[tuple[Any, ...]]:
+        sql, params = select + " WHERE run = %s", [run]
         if run_id is not None:
             sql += " AND run_id = %s"
             params.append(run_id)
-        return [Body(*row) for row in self.execute(sql + " ORDER BY started, id", params)]
+        return self.execute(sql + " ORDER BY started, id", params)
 
     def load(self, run: str) -> RunData:
         found = self.execute(
@@ -315,7 +369,7 @@ class RunLog:
                 [run],
             )
         )
-        return RunData(scenario, bodies, enqueues, events)
+        return RunData(scenario, bodies, enqueues, events, tuple(self.deliveries(run)))
 
     def recent(self, limit: int = 20) -> list[tuple[str, str, float, float | None]]:
         rows = self.execute(
