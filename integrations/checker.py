@@ -43,8 +43,14 @@ from .settings import LOG_URL, PLAIN_TASK, SINGLETON_TASKS
 #: limit > 1: how long after its admission a holder's body may log its start (a fresh worker process
 #: connects to the log first) while the key's other slots admit and finish later runs.
 ADMISSION_SLACK = 1.0
-#: A message popped by a worker that is SIGKILLed this soon after its publish may be lost (kombu Redis).
-KILL_WINDOW = 2.0
+#: How many messages one SIGKILL of a Celery worker can lose on kombu's Redis transport. kombu pops a
+#: message with BRPOP and records it as unacked (``QoS.append``, one MULTI/EXEC) only once it has read
+#: the reply; a worker killed in between loses it. A channel has at most one BRPOP in flight
+#: (``MultiChannelPoller._register_BRPOP`` sends one only when none is pending), a reply carries one
+#: message, and a Celery worker consumes its task queues on one channel: one message per kill. The
+#: reply may wait in the socket for a long time (kombu pauses a popped reply while the worker's
+#: prefetch is full), so there is no time window, only this cap. See :func:`lost_to_broker`.
+BROKER_LOSS_PER_KILL = 1
 #: Events after which a waiter may legitimately be passed over (SPEC §6).
 DISRUPTIONS = frozenset({"kill", "term", "store_down", "purge"})
 
@@ -75,6 +81,9 @@ class CheckResult:
     # excused for a broker documented to lose them (kombu's Redis transport pops a message before
     # it records it as unacked); they stay registered (pending) in the store, see the report.
     broker_lost: list[str] = field(default_factory=list)
+    broker_loss_cap: int = 0  # how many the kills could have lost: per kill × kills (0: none declared)
+    # Unfinished runs consistent with a loss in transit, but beyond the cap: counted as lost.
+    broker_loss_over_cap: list[str] = field(default_factory=list)
     lost: list[str] = field(default_factory=list)
     overlaps: list[str] = field(default_factory=list)
     fifo_inversions: list[str] = field(default_factory=list)
@@ -130,8 +139,14 @@ class CheckResult:
         row("lost", len(self.lost), not self.lost)
         if self.purged:
             row("purged on purpose", len(self.purged))
-        if self.broker_lost:
-            row("lost by the broker at a SIGKILL (excused)", len(self.broker_lost))
+        if self.broker_loss_cap:
+            row(
+                "lost by the broker at a SIGKILL (excused, at most)",
+                f"{len(self.broker_lost)} (≤ {self.broker_loss_cap})",
+                len(self.broker_lost) <= self.broker_loss_cap,
+            )
+            if self.broker_loss_over_cap:
+                row("  in transit at a kill, over the cap", len(self.broker_loss_over_cap), False)
         row("overlaps over limit", len(self.overlaps), not self.overlaps)
         row("FIFO inversions (limit 1)", len(self.fifo_inversions), not self.fifo_inversions)
         row("  excused: passed over after a crash", self.fifo_excused)
@@ -276,27 +291,102 @@ def check_fifo(
     return found, excused
 
 
-def lost_to_broker(data: RunData) -> set[str]:
-    """Unfinished runs whose last message a SIGKILL may have caught between the broker and the worker.
+@dataclass(frozen=True)
+class BrokerLoss:
+    """Which unfinished runs a lossy broker's SIGKILLs account for (:func:`lost_to_broker`)."""
 
-    kombu's Redis transport pops a message (BRPOP) and only then records it as unacked: a worker
-    killed in between loses it. Evidence required: a kill within :data:`KILL_WINDOW` seconds after
-    the run's last publish (its enqueue, or the retry its last raising body published), and no body
-    after it. Such a run stays pending in the store (a lost first message) or is evicted after
-    ``orphan_timeout`` (a lost retry), as SPEC §6 says.
+    excused: dict[str, float]  # run id -> the kill (its time) that lost its message
+    over_cap: list[str]  # consistent with a loss in transit, but every kill after it is used up
+    cap: int  # per kill × kills
+
+
+def in_transit_since(data: RunData, run_id: str) -> float | None:
+    """When the run's newest message left for the broker, if no worker has received it since; else None.
+
+    Evidence from the log (Celery: ``received`` = kombu recorded the message as unacked, so a dead
+    worker's copy comes back after ``visibility_timeout``; ``delivery`` = task code saw it):
+
+    - nothing recorded for the run: its enqueued message never reached a worker — since its enqueue;
+    - its latest record is a delivery that published a new copy — deferred by the gate
+      (``IGNORED: deferred …``) or retried (``RETRY``, or a body that raised) — and nothing received
+      after it: since that delivery's start;
+    - its latest record is a delivery that dropped a stale copy: the live copy is a newer one published
+      elsewhere (a wake at a release) that no worker received — since the run's previous publishing
+      delivery (the wake came after it), or its enqueue;
+    - otherwise (its latest record is a receipt, a body killed mid-run, a body that returned, or a
+      delivery killed midway — then its receipt is the latest record) a worker had the message: not
+      in transit.
+    """
+    enqueued = [e.at for e in data.enqueues if e.run_id == run_id and e.accepted]
+    if not enqueued:
+        return None
+    records: list[tuple[float, int, str, float | None]] = []  # (start, order, what, end)
+    for d in data.deliveries:
+        if d.run_id == run_id:
+            what = "received" if d.kind == "received" else _delivery_outcome(d.detail)
+            records.append((d.start, 0, what, d.end))
+    for b in data.bodies:
+        if b.run_id == run_id:
+            # A body starts after its delivery's start: it is the later record of that delivery.
+            what = {"ok": "ok", "raised": "published"}.get(b.outcome or "", "killed")
+            records.append((b.start, 1, what, b.end))
+    if not records:
+        return min(enqueued)
+    records.sort()
+    start, order, what, end = records[-1]
+    if what == "published":
+        # A deferral publishes during its delivery (from its start on); a retry after the body raised.
+        return end if order == 1 and end is not None else start
+    if what == "dropped":
+        earlier = [r[0] for r in records[:-1] if r[2] == "published"]
+        return max(earlier) if earlier else min(enqueued)
+    return None
+
+
+def _delivery_outcome(detail: str) -> str:
+    if detail.startswith(("IGNORED: deferred", "RETRY")):
+        return "published"
+    if detail.startswith("IGNORED: stale"):
+        return "dropped"
+    return "other"
+
+
+def lost_to_broker(
+    data: RunData, unfinished: Iterable[str], per_kill: int = BROKER_LOSS_PER_KILL
+) -> BrokerLoss:
+    """The unfinished runs a SIGKILL may have lost in transit (kombu's Redis transport), at most
+    ``per_kill`` per kill.
+
+    A run qualifies when :func:`in_transit_since` says its newest message never reached a worker and a
+    worker was SIGKILLed after that message was published (the worker that popped it died before it
+    recorded it). Each kill accounts for at most ``per_kill`` runs (:data:`BROKER_LOSS_PER_KILL`):
+    runs are matched to kills, the latest-published first (they can use the fewest kills); a run no
+    kill is left for is reported in ``over_cap`` and stays lost. Such a run stays pending in the store
+    (a lost first message) or is evicted after ``orphan_timeout`` (a lost later copy), as SPEC §6
+    says.
     """
     kills = sorted(e.at for e in data.events if e.kind == "kill")
-    completed = {b.run_id for b in data.bodies if b.outcome == "ok"}
-    last: dict[str, float] = {e.run_id: e.at for e in data.enqueues if e.accepted}
-    for b in data.bodies:
-        if b.run_id in last:
-            # A raising body's framework publishes the retry as it ends; a killed one is redelivered.
-            last[b.run_id] = max(last[b.run_id], b.end if b.end is not None else b.start)
-    return {
-        run_id
-        for run_id, at in last.items()
-        if run_id not in completed and any(at <= kill <= at + KILL_WINDOW for kill in kills)
-    }
+    since = {r: t for r in unfinished if (t := in_transit_since(data, r)) is not None}
+    left = dict.fromkeys(range(len(kills)), per_kill)
+    excused: dict[str, float] = {}
+    over: list[str] = []
+    for run_id, at in sorted(since.items(), key=lambda item: (-item[1], item[0])):
+        # Any kill after the publish will do: a later-published run's kills are a subset of these.
+        slot = next((i for i in range(len(kills)) if kills[i] >= at and left[i] > 0), None)
+        if slot is None:
+            over.append(run_id)
+            continue
+        left[slot] -= 1
+        excused[run_id] = kills[slot]
+    return BrokerLoss(excused, sorted(over), per_kill * len(kills))
+
+
+def broker_loss_per_kill(settings: dict[str, object]) -> int:
+    """How many messages a SIGKILL may lose on this run's broker (0: none; the scenario declares it)."""
+    declared = settings.get("broker_loss_per_kill")
+    if isinstance(declared, int):
+        return declared
+    return BROKER_LOSS_PER_KILL if settings.get("broker_loses_on_kill") else 0  # older runs
 
 
 def check(data: RunData, snapshots: Iterable[KeySnapshot], *, now: float | None = None) -> CheckResult:
@@ -352,8 +442,12 @@ def check(data: RunData, snapshots: Iterable[KeySnapshot], *, now: float | None 
     result.purged = sorted(purged & accepted - set(completions))
     lost = accepted - set(completions) - purged
     snapshots = list(snapshots)
-    if scenario.settings.get("broker_loses_on_kill"):
-        result.broker_lost = sorted(lost & lost_to_broker(data))
+    per_kill = broker_loss_per_kill(scenario.settings)
+    if per_kill:
+        loss = lost_to_broker(data, lost, per_kill)
+        result.broker_lost = sorted(loss.excused)
+        result.broker_loss_over_cap = loss.over_cap
+        result.broker_loss_cap = loss.cap
     result.lost = sorted(lost - set(result.broker_lost))
     result.overlaps = check_overlaps(spans, limits, horizon)
     result.token_violations = check_tokens(spans, limits)

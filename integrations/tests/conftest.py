@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from integrations.checker import CheckResult, check_run
+from integrations.checker import BROKER_LOSS_PER_KILL, CheckResult, check_run
 from integrations.runlog import RunLog, Scenario
 from integrations.runner import (
     Driver,
@@ -189,8 +189,10 @@ def harness(
                 {
                     **{k: v for k, v in vars(settings).items() if isinstance(v, (int, float, str))},
                     # kombu's Redis transport pops a message, then records it as unacked: a SIGKILL
-                    # in between loses it (at-most-once), whatever the library does.
-                    "broker_loses_on_kill": framework == "celery" and broker == "redis",
+                    # in between loses it (at most one per kill), whatever the library does.
+                    "broker_loss_per_kill": (
+                        BROKER_LOSS_PER_KILL if framework == "celery" and broker == "redis" else 0
+                    ),
                 },
                 time.time(),
                 None,

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import json
 
-from integrations.checker import check
-from integrations.runlog import Body, Enqueue, Event, RunData, Scenario
+from rich.console import Console
+
+from integrations.checker import check, lost_to_broker
+from integrations.runlog import Body, Delivery, Enqueue, Event, RunData, Scenario
 from singleton_tasks.outcomes import KeySnapshot, RunState, WaiterView
 
 T0 = 1000.0
@@ -75,9 +78,29 @@ def body(
 
 
 def data(
-    enqueues: list[Enqueue], bodies: list[Body], events: list[Event] | None = None, **settings: object
+    enqueues: list[Enqueue],
+    bodies: list[Body],
+    events: list[Event] | None = None,
+    deliveries: list[Delivery] | None = None,
+    **settings: object,
 ) -> RunData:
-    return RunData(scenario(**settings), tuple(bodies), tuple(enqueues), tuple(events or ()))
+    return RunData(
+        scenario(**settings), tuple(bodies), tuple(enqueues), tuple(events or ()), tuple(deliveries or ())
+    )
+
+
+def delivery(run_id: str, start: float, detail: str, *, end: float | None = None) -> Delivery:
+    """A Celery delivery that ended as ``detail`` (``IGNORED: deferred …``, ``IGNORED: stale …``)."""
+    ended = start + 0.01 if end is None else end
+    return Delivery(run_id, "delivery", "w0", 1, T0 + start, T0 + ended, detail)
+
+
+def received(run_id: str, at: float) -> Delivery:
+    return Delivery(run_id, "received", "w0", 1, T0 + at, T0 + at, "")
+
+
+def kill(at: float, worker: str = "w0") -> Event:
+    return Event("kill", worker, T0 + at, "")
 
 
 def clean() -> RunData:
@@ -170,11 +193,99 @@ def test_singleton_body_without_token_fails() -> None:
 def test_broker_loss_is_excused_only_where_declared() -> None:
     waiter = WaiterView("b", 1, T0, RunState.PENDING, True)
     snap = KeySnapshot("mutex", "K", 1, 1, (), (waiter,))
-    kill = Event("kill", "w0", T0 + 1, "")
     enqueues = [enq("a", 1, at=T0 + 0.5), enq("b", 2, at=T0 + 0.6)]
-    strict = check(data(enqueues, [body("a", 1, 2, 1)], [kill]), [snap], now=T0 + 60)
+    strict = check(data(enqueues, [body("a", 1, 2, 1)], [kill(1)]), [snap], now=T0 + 60)
     assert strict.lost == ["b"] and strict.stuck_keys
     lossy = check(
-        data(enqueues, [body("a", 1, 2, 1)], [kill], broker_loses_on_kill=True), [snap], now=T0 + 60
+        data(enqueues, [body("a", 1, 2, 1)], [kill(1)], broker_loss_per_kill=1), [snap], now=T0 + 60
     )
-    assert lossy.ok and lossy.broker_lost == ["b"]
+    assert lossy.ok and lossy.broker_lost == ["b"] and lossy.broker_loss_cap == 1
+    # Runs logged before the cap existed said "broker_loses_on_kill": one per kill.
+    legacy = check(
+        data(enqueues, [body("a", 1, 2, 1)], [kill(1)], broker_loses_on_kill=True), [snap], now=T0 + 60
+    )
+    assert legacy.ok and legacy.broker_lost == ["b"]
+
+
+def test_broker_loss_is_capped_per_kill() -> None:
+    """Two messages in transit and one kill: one is excused, the other is lost and fails the check."""
+    enqueues = [enq("a", 1, at=T0 + 0.5), enq("b", 2, at=T0 + 0.6)]
+    one = check(data(enqueues, [], [kill(1)], broker_loss_per_kill=1), [], now=T0 + 60)
+    assert not one.ok
+    assert len(one.broker_lost) == 1 and len(one.lost) == 1 and one.broker_loss_over_cap == one.lost
+    assert one.broker_loss_cap == 1
+    two = check(data(enqueues, [], [kill(1), kill(3, "w1")], broker_loss_per_kill=1), [], now=T0 + 60)
+    assert two.ok and two.broker_lost == ["a", "b"] and two.broker_loss_cap == 2
+    # A kill before both publishes accounts for neither: one kill left for two runs.
+    early = check(data(enqueues, [], [kill(0.4), kill(3, "w1")], broker_loss_per_kill=1), [], now=T0 + 60)
+    assert early.broker_lost == ["b"] and early.lost == ["a"]
+
+
+def test_broker_loss_matches_late_publishes_first() -> None:
+    """a can use either kill, b only the later one: both are excused whatever the order."""
+    enqueues = [enq("a", 1, at=T0 + 0.5), enq("b", 2, at=T0 + 2.0)]
+    loss = lost_to_broker(data(enqueues, [], [kill(1), kill(3, "w1")]), ["a", "b"], per_kill=1)
+    assert loss.excused == {"a": T0 + 1, "b": T0 + 3} and not loss.over_cap
+
+
+def test_broker_loss_needs_a_kill_after_the_publish() -> None:
+    enqueues = [enq("a", 1, at=T0 + 5)]
+    result = check(data(enqueues, [], [kill(1)], broker_loss_per_kill=1), [], now=T0 + 60)
+    assert result.lost == ["a"] and not result.broker_lost
+
+
+def test_a_message_a_worker_received_is_not_a_broker_loss() -> None:
+    """Received (recorded as unacked) or run by a body the kill stopped: it comes back, never excused."""
+    enqueues = [enq("a", 1, at=T0 + 0.5)]
+    got = check(data(enqueues, [], [kill(2)], [received("a", 0.6)], broker_loss_per_kill=1), [], now=T0 + 60)
+    assert got.lost == ["a"] and not got.broker_lost
+    killed = check(
+        data(enqueues, [body("a", 0.7, None, 1)], [kill(2)], [received("a", 0.6)], broker_loss_per_kill=1),
+        [],
+        now=T0 + 60,
+    )
+    assert killed.lost == ["a"] and not killed.broker_lost
+
+
+def test_a_deferred_copy_in_transit_is_a_broker_loss() -> None:
+    """The gate deferred the run (a new copy published) and no worker received that copy."""
+    enqueues = [enq("a", 1, at=T0 + 0.5)]
+    deferred = [received("a", 0.6), delivery("a", 0.7, "IGNORED: deferred 0.30s (generation 1)")]
+    lost = check(data(enqueues, [], [kill(1)], deferred, broker_loss_per_kill=1), [], now=T0 + 60)
+    assert lost.ok and lost.broker_lost == ["a"]
+    # The kill came before the deferral published its copy: not this kill's loss.
+    before = check(data(enqueues, [], [kill(0.65)], deferred, broker_loss_per_kill=1), [], now=T0 + 60)
+    assert before.lost == ["a"]
+    # The new copy reached a worker: it is in the worker's unacked set, redelivered if it dies.
+    seen = [*deferred, received("a", 1.05)]
+    assert check(data(enqueues, [], [kill(1)], seen, broker_loss_per_kill=1), [], now=T0 + 60).lost == ["a"]
+    # A retried body publishes its retry as it ends.
+    raised = [body("a", 0.7, 0.8, 1, outcome="raised")]
+    retry = check(data(enqueues, raised, [kill(0.9)], broker_loss_per_kill=1), [], now=T0 + 60)
+    assert retry.ok and retry.broker_lost == ["a"]
+    assert check(data(enqueues, raised, [kill(0.75)], broker_loss_per_kill=1), [], now=T0 + 60).lost
+
+
+def test_a_dropped_stale_copy_points_at_a_newer_copy_in_transit() -> None:
+    """Dropped as stale: a newer copy (a wake) was published after the run's last deferral; lost if
+    no worker received it, but only by a kill after that deferral."""
+    enqueues = [enq("a", 1, at=T0 + 0.5)]
+    records = [
+        received("a", 0.6),
+        delivery("a", 0.7, "IGNORED: deferred 0.30s (generation 1)"),
+        received("a", 0.75),
+        delivery("a", 1.1, "IGNORED: stale copy dropped"),
+    ]
+    lost = check(data(enqueues, [], [kill(0.9)], records, broker_loss_per_kill=1), [], now=T0 + 60)
+    assert lost.ok and lost.broker_lost == ["a"]
+    assert check(data(enqueues, [], [kill(0.65)], records, broker_loss_per_kill=1), [], now=T0 + 60).lost
+
+
+def test_the_table_shows_the_broker_loss_cap() -> None:
+    enqueues = [enq("a", 1, at=T0 + 0.5), enq("b", 2, at=T0 + 0.6)]
+    result = check(data(enqueues, [], [kill(1)], broker_loss_per_kill=1), [], now=T0 + 60)
+    console = Console(width=110, record=True, file=io.StringIO())
+    result.print(console)
+    text = console.export_text()
+    assert "lost by the broker at a SIGKILL" in text and "1 (≤ 1)" in text
+    assert "in transit at a kill, over the cap" in text and "FAIL" in text
