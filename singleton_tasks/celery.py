@@ -189,6 +189,18 @@ class SingletonTask(Task):  # type: ignore[misc]
         )
         _warn_on_unsafe_acks(name, cls.__dict__)
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        request = self.request_stack.top
+        if request is not None and not request.called_directly and not request._protected:
+            # The tracer's own call (a worker delivery or .apply()): before_start has gated it.
+            # Run the body as the tracer does for a task without __call__ (as Celery's worker
+            # does, mark the request so a body calling its own task directly gets a new one).
+            request._protected = 1
+            return self.run(*args, **kwargs)
+        if type(self)._singleton_bound is not None:
+            logger.debug("%s called directly: it bypasses the singleton gate", self.name)
+        return super().__call__(*args, **kwargs)
+
     # -- helpers ---------------------------------------------------------------------------
     def _singleton_binding(self) -> BoundSingleton | None:
         bound = type(self)._singleton_bound
@@ -578,23 +590,31 @@ def _upgrade(task: Any, bound: BoundSingleton, explicit: Mapping[str, Any] | Non
         "__doc__": cls.__doc__,
         "_singleton_bound": bound,
     }
-    conf = task._get_app().conf
-    for option, setting in (
-        ("acks_late", "task_acks_late"),
-        ("reject_on_worker_lost", "task_reject_on_worker_lost"),
-    ):
-        value = getattr(cls, option, None)
-        chosen = (
-            explicit.get(option)
-            if explicit is not None and option in explicit
-            else (value if value is not None and value != conf.get(setting) else None)
-        )
-        namespace[option] = True if chosen is None else bool(chosen)
+    for option in ("acks_late", "reject_on_worker_lost"):
+        chosen = explicit[option] if explicit is not None and option in explicit else _declared(cls, option)
+        namespace[option] = True if chosen is None else bool(chosen)  # SPEC §6, as base=SingletonTask
     _warn_on_unsafe_acks(task.name, namespace)
     bases = (cls,) if issubclass(cls, SingletonTask) else (SingletonTask, cls)
     task.__class__ = type(cls.__name__, bases, namespace)
     if task.__dict__.get("__trace__") is not None:
         task.__trace__ = None  # rebuilt with the new class's hooks
+
+
+def _declared(cls: type, option: str) -> Any:
+    """The value a task class declares for ``option``; ``None`` if only the app's config set it.
+
+    ``Task.bind`` marks a class ``__bound__`` and then copies every option still unset from the
+    config into it, so a value that follows that mark in a class's namespace was not the
+    user's choice (``@app.task(acks_late=False)`` puts it before).
+    """
+    for klass in cls.__mro__:
+        names = list(klass.__dict__)
+        if option not in names:
+            continue
+        if "__bound__" in names and names.index(option) > names.index("__bound__"):
+            continue  # copied from the config by Task.bind
+        return klass.__dict__[option]
+    return None
 
 
 def _proxy_parts(proxy: Any) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import socket
 import subprocess
@@ -645,6 +646,29 @@ def test_eager_calls_bypass_the_gate(store: Store) -> None:
     assert runs_of(store) == []
 
 
+def test_direct_calls_and_apply_bypass_the_gate_logged_at_debug(
+    store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    app = make_app(store)
+
+    @app.task(base=SingletonTask, singleton={"key": "k"}, name=unique(), shared=False, bind=True)
+    def job(self: Any, x: int) -> tuple[int, str | None]:
+        return x + 1, self.request.id
+
+    caplog.set_level(logging.DEBUG, logger="singleton_tasks")
+    assert job(1) == (2, None)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{job.name} called directly: it bypasses the singleton gate"
+    ]
+    caplog.clear()
+    # .apply() runs the body under the tracer: its request (and id) is the body's, no direct-call log.
+    assert job.apply((2,), task_id="fixed").get() == (3, "fixed")
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{job.name} run fixed is eager: it bypasses the singleton gate"
+    ]
+    assert runs_of(store) == []
+
+
 # -- bad input -------------------------------------------------------------------------------------
 def test_key_errors_at_delay_raise_and_publish_nothing(store: Store) -> None:
     app = make_app(store)
@@ -760,6 +784,25 @@ def test_acks_late_defaults_and_a_warning_when_overridden() -> None:
         def unsafe() -> None: ...
 
         assert unsafe.acks_late is False
+
+
+def test_singleton_on_a_finalized_task_keeps_an_explicit_acks_choice_with_the_warning() -> None:
+    app = make_app("memory://acks-stacked")
+    app.finalize()  # @app.task returns the task itself: its options are only in its class
+
+    @app.task(name=unique(), shared=False)
+    def plain(k: str) -> None: ...
+
+    singleton(key="{k}")(plain)
+    assert plain.acks_late is True and plain.reject_on_worker_lost is True  # the defaults of SPEC §6
+    with pytest.warns(UserWarning, match="acks_late=False") as warned:
+
+        @singleton(key="{k}")
+        @app.task(name=unique(), shared=False, acks_late=False)
+        def unsafe(k: str) -> None: ...
+
+    assert unsafe.acks_late is False and unsafe.reject_on_worker_lost is True  # as with base=SingletonTask
+    assert len(warned) == 1
 
 
 # -- @singleton stacked on existing tasks ----------------------------------------------------------
