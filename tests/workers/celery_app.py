@@ -1,9 +1,14 @@
 """A small Celery app for the worker-process tests: configured from ``SINGLETON_CELERY_*`` env vars.
 
 Run as ``celery -A celery_app worker`` from this directory; the tests build the same app in
-their own process (``build(config)``) to send tasks. Bodies append one JSON line per run to a
-Redis list; a ``task_prerun`` receiver appends one line per delivery (also the deferred and
-dropped ones) to another.
+their own process (``build(config)``) to send tasks. Bodies append one JSON line per attempt to
+a Redis list when they start (``:started``) and when they end; a ``task_prerun`` receiver
+appends one line per delivery (also the deferred and dropped ones) to another.
+
+The singleton tasks (key ``{key}``, limit 1): ``workers.record``, ``workers.capped``
+(``max_queue_depth=2``), ``workers.flaky`` (``self.retry()``) and ``workers.auto``
+(``autoretry_for``), all ``(key, label, duration, fails=0, until=None)`` and returning ``label``; and
+``workers.compute(value, key, add)`` returning ``value + add`` (for chains).
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ from celery import Celery, signals
 
 from singleton_tasks import current_admission
 from singleton_tasks.celery import GENERATION_HEADER, SingletonTask, install
+
+#: Seconds between a failed attempt of ``workers.flaky`` / ``workers.auto`` and its retry.
+RETRY_COUNTDOWN = 0.5
 
 
 @dataclass(frozen=True)
@@ -45,6 +53,11 @@ class AppConfig:
         values["visibility_timeout"] = float(values["visibility_timeout"])
         values["lease"] = float(values["lease"])
         return cls(**values)
+
+
+def go_key(config: AppConfig, name: str) -> str:
+    """The Redis list a body started with ``until=name`` waits on."""
+    return f"{config.log_key}:go:{name}"
 
 
 def build(config: AppConfig) -> Celery:
@@ -77,28 +90,73 @@ def build(config: AppConfig) -> Celery:
         entry = {
             "run_id": task_id,
             "gen": (request.headers or {}).get(GENERATION_HEADER, 0),
+            "args": json.loads(json.dumps(list(request.args or ()), default=str)),
             "redelivered": bool((request.delivery_info or {}).get("redelivered")),
             "pid": os.getpid(),
             "at": time.time(),
         }
         log.rpush(config.log_key + ":deliveries", json.dumps(entry))
 
-    @app.task(base=SingletonTask, singleton={"key": "{key}"}, name="workers.record", shared=False)
-    def record(key: str, label: str, duration: float) -> str:
-        admitted = current_admission()
+    def started(key: str, label: str, attempt: int) -> float:
         start = time.time()
-        time.sleep(duration)
+        entry = {"key": key, "label": label, "attempt": attempt, "start": start}
+        log.rpush(config.log_key + ":started", json.dumps(entry))
+        return start
+
+    def ended(key: str, label: str, attempt: int, start: float, outcome: str = "ok") -> None:
+        admitted = current_admission()
         entry = {
             "key": key,
             "label": label,
             "run_id": admitted.run_id if admitted else None,
             "token": admitted.token if admitted else None,
             "pid": os.getpid(),
+            "attempt": attempt,
+            "outcome": outcome,
             "start": start,
             "end": time.time(),
         }
         log.rpush(config.log_key, json.dumps(entry))
+
+    def attempt(
+        task: Any, key: str, label: str, duration: float, fails: int = 0, until: str | None = None
+    ) -> str:
+        """Sleeps ``duration``, or until the test says ``go(until)``; the first ``fails`` attempts
+        fail (retried ``RETRY_COUNTDOWN`` s later)."""
+        number = task.request.retries + 1
+        start = started(key, label, number)
+        if until is not None:
+            log.blpop([go_key(config, until)], timeout=60)
+        time.sleep(duration)
+        failing = number <= fails
+        ended(key, label, number, start, "raise" if failing else "ok")
+        if failing:
+            error = RuntimeError(f"{label}: attempt {number} fails on purpose")
+            if getattr(task, "autoretry_for", ()):
+                raise error
+            raise task.retry(exc=error, countdown=RETRY_COUNTDOWN)
         return label
+
+    def task(name: str, singleton: dict[str, Any], **options: Any) -> Any:
+        return app.task(
+            base=SingletonTask, singleton=singleton, name=name, shared=False, bind=True, **options
+        )
+
+    task("workers.record", {"key": "{key}"})(attempt)
+    task("workers.capped", {"key": "{key}", "max_queue_depth": 2})(attempt)
+    task("workers.flaky", {"key": "{key}"}, max_retries=2)(attempt)
+    task(
+        "workers.auto",
+        {"key": "{key}"},
+        autoretry_for=(RuntimeError,),
+        retry_kwargs={"countdown": RETRY_COUNTDOWN},
+        max_retries=2,
+    )(attempt)
+
+    @app.task(base=SingletonTask, singleton={"key": "{key}"}, name="workers.compute", shared=False)
+    def compute(value: int, key: str, add: int) -> int:
+        ended(key, f"+{add}", 1, started(key, f"+{add}", 1))
+        return value + add
 
     return app
 

@@ -1,4 +1,9 @@
-"""Real ``celery worker`` processes (prefork and threads pools) on Redis and RabbitMQ brokers (issue 4)."""
+"""Real ``celery worker`` processes (prefork and threads pools) on Redis and RabbitMQ brokers (issue 4).
+
+Most tests share one pair of workers (prefork ×2 and threads ×2) per broker and store, with the
+fallback re-check 30 s away so that every handoff they see is a wake; each test uses its own
+keys. The tests that need other worker options start their own.
+"""
 
 from __future__ import annotations
 
@@ -17,10 +22,13 @@ from typing import Any
 
 import pytest
 import redis
-from celery_app import AppConfig, build
+from celery import chain, group
+from celery.result import AsyncResult
+from celery_app import AppConfig, build, go_key
 from conftest import BROKER_REDIS_URL, POSTGRES_URL, RABBITMQ_URL, REDIS_URL, require_server
 
-from singleton_tasks import store_from_url
+from singleton_tasks import SingletonQueueFullError, store_from_url
+from singleton_tasks.outcomes import KeySnapshot, RunState
 
 pytestmark = pytest.mark.workers
 
@@ -44,6 +52,7 @@ class Workers:
         self.logs = logs
         self.app = build(config)
         self.record = self.app.tasks["workers.record"]
+        self.tasks = self.app.tasks
         self.log = redis.Redis.from_url(config.log_url)
         self.processes: list[subprocess.Popen[bytes]] = []
 
@@ -105,18 +114,49 @@ class Workers:
                 proc.wait(5)
         with contextlib.suppress(Exception), self.app.connection() as conn:
             conn.default_channel.queue_delete(self.config.queue)
-        self.log.delete(self.config.log_key, self.config.log_key + ":deliveries")
+        self.log.delete(*self.log.keys(self.config.log_key + "*"))
         with contextlib.suppress(Exception):
             from singleton_tasks.celery import gatekeeper_for
 
             gatekeeper_for(self.app).close()
 
-    def runs(self) -> list[dict[str, Any]]:
-        return [json.loads(raw) for raw in self.log.lrange(self.config.log_key, 0, -1)]
+    def runs(self, key: str | None = None) -> list[dict[str, Any]]:
+        """Finished attempts (of one key), in the order they were logged."""
+        entries = [json.loads(raw) for raw in self.log.lrange(self.config.log_key, 0, -1)]
+        return [e for e in entries if key is None or e["key"] == key]
 
-    def deliveries(self, run_id: str) -> list[dict[str, Any]]:
+    def started(self, key: str) -> list[str]:
+        """Labels of the attempts of a key that have started, in start order."""
+        entries = [json.loads(raw) for raw in self.log.lrange(self.config.log_key + ":started", 0, -1)]
+        return [e["label"] for e in entries if e["key"] == key]
+
+    def deliveries(self, run_id: str | None = None) -> list[dict[str, Any]]:
         entries = [json.loads(raw) for raw in self.log.lrange(self.config.log_key + ":deliveries", 0, -1)]
-        return [e for e in entries if e["run_id"] == run_id]
+        return [e for e in entries if run_id is None or e["run_id"] == run_id]
+
+    def snapshot(self, scope: str, key: str) -> list[KeySnapshot]:
+        """The store's view of one key: empty once nothing holds or waits."""
+        store = store_from_url(self.config.store, namespace=self.config.namespace)
+        try:
+            return store.snapshot(now=time.time(), scope=scope, key=key)
+        finally:
+            store.close()
+
+    def stored(self, scope: str, key: str) -> set[str]:
+        return {run.run_id for snap in self.snapshot(scope, key) for run in (*snap.holders, *snap.waiters)}
+
+    def go(self, name: str) -> None:
+        """Let the body started with ``until=name`` finish."""
+        self.log.rpush(go_key(self.config, name), "go")
+        self.log.expire(go_key(self.config, name), 120)
+
+    def wait_revoked(self, task_id: str) -> None:
+        """Until every worker has logged the revoke of ``task_id`` (a broadcast: no reply)."""
+        paths = sorted(self.logs.glob("celery-*.log"))
+        self.wait(
+            lambda: all(f"Tasks flagged as revoked: {task_id}" in p.read_text() for p in paths),
+            what=f"every worker to flag {task_id} as revoked",
+        )
 
     def wait(self, predicate: Callable[[], bool], *, timeout: float = 25, what: str = "condition") -> None:
         deadline = time.monotonic() + timeout
@@ -129,29 +169,33 @@ class Workers:
             time.sleep(0.05)
 
 
+def _new_workers(broker: str, store: str, logs: Path, **options: Any) -> Workers:
+    require_server(BROKERS[broker], "RabbitMQ" if broker == "rabbitmq" else "Redis")
+    require_server(STORES[store], "PostgreSQL" if store == "postgres" else "Redis")
+    require_server(LOG_URL, "Redis")
+    namespace = f"c{uuid.uuid4().hex[:10]}"
+    if store == "postgres":
+        migrated = store_from_url(STORES[store], namespace=namespace)
+        migrated.migrate()
+        migrated.close()
+    config = AppConfig(
+        broker_url=BROKERS[broker],
+        store=STORES[store],
+        namespace=namespace,
+        queue=f"singleton_{namespace}",
+        log_url=LOG_URL,
+        log_key=f"singleton-celery-test:{namespace}",
+        **options,
+    )
+    return Workers(config, logs)
+
+
 @pytest.fixture
 def make_workers(tmp_path: Path) -> Iterator[Callable[..., Workers]]:
     made: list[Workers] = []
 
     def make(broker: str, store: str, **options: Any) -> Workers:
-        require_server(BROKERS[broker], "RabbitMQ" if broker == "rabbitmq" else "Redis")
-        require_server(STORES[store], "PostgreSQL" if store == "postgres" else "Redis")
-        require_server(LOG_URL, "Redis")
-        namespace = f"c{uuid.uuid4().hex[:10]}"
-        if store == "postgres":
-            migrated = store_from_url(STORES[store], namespace=namespace)
-            migrated.migrate()
-            migrated.close()
-        config = AppConfig(
-            broker_url=BROKERS[broker],
-            store=STORES[store],
-            namespace=namespace,
-            queue=f"singleton_{namespace}",
-            log_url=LOG_URL,
-            log_key=f"singleton-celery-test:{namespace}",
-            **options,
-        )
-        workers = Workers(config, tmp_path)
+        workers = _new_workers(broker, store, tmp_path, **options)
         made.append(workers)
         return workers
 
@@ -160,38 +204,230 @@ def make_workers(tmp_path: Path) -> Iterator[Callable[..., Workers]]:
         workers.stop()
 
 
+@pytest.fixture(scope="module", params=[(b, s) for b in brokers() for s in STORES], ids="-".join)
+def shared(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Workers]:
+    """One worker pair (prefork ×2, threads ×2) per broker and store; a waiter's fallback is 30 s."""
+    broker, store = request.param
+    workers = _new_workers(broker, store, tmp_path_factory.mktemp("shared"), retry_delay=30.0)
+    try:
+        workers.start()
+        yield workers
+    finally:
+        workers.stop()
+
+
+def unique(name: str) -> str:
+    return f"{name}-{uuid.uuid4().hex[:8]}"
+
+
+def by_start(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return sorted(runs, key=lambda r: r["start"])
+
+
 def assert_serialized(runs: list[dict[str, Any]], key: str, sent: list[str]) -> None:
-    mine = sorted((r for r in runs if r["key"] == key), key=lambda r: r["start"])
+    mine = by_start([r for r in runs if r["key"] == key])
     assert [r["run_id"] for r in mine] == sent  # every run completed once, in enqueue order
-    for before, after in itertools.pairwise(mine):
-        assert after["start"] >= before["end"], f"{key}: {before} overlaps {after}"
-    tokens = [r["token"] for r in mine]
+    assert_one_at_a_time(mine)
+    tokens = [r["token"] for r in mine]  # current_admission() tokens strictly increase per key
     assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
 
 
-@pytest.mark.parametrize("store", list(STORES))
-@pytest.mark.parametrize("broker", brokers())
-def test_workers_serialize_each_key_in_order(
-    make_workers: Callable[..., Workers], broker: str, store: str
-) -> None:
-    workers = make_workers(broker, store)
-    workers.start()
-    sent: dict[str, list[str]] = {"A": [], "B": []}
+def assert_one_at_a_time(runs: list[dict[str, Any]]) -> None:
+    for before, after in itertools.pairwise(by_start(runs)):
+        assert after["start"] >= before["end"], f"{before} overlaps {after}"
+
+
+def test_workers_serialize_each_key_in_order(shared: Workers) -> None:
+    """The seed's story at scale: each key's runs one at a time, in enqueue order; keys in parallel."""
+    workers = shared
+    a, b = unique("A"), unique("B")
+    sent: dict[str, list[str]] = {a: [], b: []}
     for i in range(5):
-        for key in ("A", "B"):
-            sent[key].append(workers.record.delay(key, f"{key}{i}", 0.2).id)
-    for i in range(4):
-        workers.record.delay(f"C{i}", f"C{i}", 0.1)
-    workers.wait(lambda: len(workers.runs()) == 14, what="14 runs")
+        for key in (a, b):
+            sent[key].append(workers.record.delay(key, f"{key}/{i}", 0.2).id)
+    others = [unique("C") for _ in range(4)]
+    for key in others:
+        workers.record.delay(key, key, 0.1)
+    every = [a, b, *others]
+    workers.wait(lambda: sum(len(workers.runs(k)) for k in every) == 14, what="14 runs")
     time.sleep(0.5)  # nothing runs twice
-    runs = workers.runs()
+    runs = [r for k in every for r in workers.runs(k)]
     assert len(runs) == 14 and len({r["run_id"] for r in runs}) == 14
-    for key in ("A", "B"):
+    for key in (a, b):
         assert_serialized(runs, key, sent[key])
-    a_runs = [r for r in runs if r["key"] == "A"]
-    b_runs = [r for r in runs if r["key"] == "B"]
-    assert any(a["start"] < b["end"] and b["start"] < a["end"] for a in a_runs for b in b_runs)
+    a_runs, b_runs = workers.runs(a), workers.runs(b)
+    assert any(x["start"] < y["end"] and y["start"] < x["end"] for x in a_runs for y in b_runs)
     assert len({r["pid"] for r in runs}) >= 2  # both worker processes (and pools) took part
+
+
+def test_workers_hand_off_by_wake_not_timer(shared: Workers) -> None:
+    """Every waiter's fallback re-check is 30 s away: only the wake on release can finish the burst."""
+    workers, hot = shared, unique("hot")
+    sent = [workers.record.delay(hot, f"h{i}", 0.05).id for i in range(10)]
+    workers.wait(lambda: len(workers.runs(hot)) == 10, timeout=15, what="10 runs within 15 s")
+    assert_serialized(workers.runs(hot), hot, sent)
+
+
+def test_a_full_backlog_rejects_publishes_nothing_and_accepts_again(shared: Workers) -> None:
+    """``workers.capped``: limit 1, max_queue_depth 2. The 4th .delay() raises; accepted again later."""
+    workers, key, go = shared, unique("C"), unique("go")
+    capped = workers.tasks["workers.capped"]
+    accepted = [
+        capped.delay(key, "c1", 0.0, until=go),
+        capped.delay(key, "c2", 0.0),
+        capped.delay(key, "c3", 0.0),
+    ]
+    with pytest.raises(SingletonQueueFullError) as raised:
+        capped.delay(key, "c4", 0.0)
+    error = raised.value
+    assert (error.task_name, error.scope, error.key, error.limit, error.max_queue_depth) == (
+        "workers.capped",
+        "workers.capped",
+        key,
+        1,
+        2,
+    )
+    rejected_id = f"rejected-{key}"
+    with pytest.raises(SingletonQueueFullError):
+        capped.apply_async((key, "c4", 0.0), task_id=rejected_id)
+    assert workers.stored("workers.capped", key) == {r.id for r in accepted}  # nothing stored for c4
+    workers.wait(lambda: workers.started(key) == ["c1"], what="c1 to start")
+    workers.go(go)
+    workers.wait(lambda: workers.started(key)[:2] == ["c1", "c2"], what="c1 settled and c2 admitted")
+    accepted.append(capped.delay(key, "c5", 0.0))  # backlog c2 + c3 + c5: at the cap again
+    assert [r.get(timeout=25) for r in accepted] == ["c1", "c2", "c3", "c5"]
+    runs = by_start(workers.runs(key))
+    assert [r["label"] for r in runs] == ["c1", "c2", "c3", "c5"]
+    assert_one_at_a_time(runs)
+    workers.wait(lambda: workers.snapshot("workers.capped", key) == [], what="the key to empty")
+    assert workers.deliveries(rejected_id) == []
+    assert [d for d in workers.deliveries() if d["args"][:2] == [key, "c4"]] == []  # never published
+
+
+def test_retries_keep_the_slot_and_exhaustion_releases_it(shared: Workers) -> None:
+    """``self.retry()`` (``workers.flaky``) and ``autoretry_for`` (``workers.auto``), 0.5 s countdown."""
+    workers = shared
+    cases = {name: (unique("R"), unique("X")) for name in ("workers.flaky", "workers.auto")}
+    first: dict[str, AsyncResult] = {}
+    followers: dict[str, AsyncResult] = {}
+    for name, (kept, doomed) in cases.items():
+        first[kept] = workers.tasks[name].delay(kept, "flaky", 0.2, fails=1)
+        first[doomed] = workers.tasks[name].delay(doomed, "doomed", 0.2, fails=99)
+    for name, (kept, doomed) in cases.items():
+        workers.wait(
+            lambda k=kept, d=doomed: workers.started(k) != [] and workers.started(d) != [],
+            what=f"{name}'s first attempts",
+        )
+        followers[kept] = workers.tasks[name].delay(kept, "other", 0.0)
+        followers[doomed] = workers.tasks[name].delay(doomed, "next", 0.0)
+    for name, (kept, doomed) in cases.items():
+        workers.wait(
+            lambda k=kept, d=doomed: len(workers.runs(k)) == 3 and len(workers.runs(d)) == 4,
+            what=f"every attempt of {name}",
+        )
+        # No same-key run slipped in between a failed attempt and its retry.
+        attempts = [(r["label"], r["outcome"]) for r in by_start(workers.runs(kept))]
+        assert attempts == [("flaky", "raise"), ("flaky", "ok"), ("other", "ok")], name
+        attempts = [(r["label"], r["outcome"]) for r in by_start(workers.runs(doomed))]
+        assert attempts == [("doomed", "raise")] * 3 + [("next", "ok")], name
+        assert first[kept].get(timeout=10) == "flaky" and followers[kept].get(timeout=10) == "other"
+        with pytest.raises(RuntimeError, match="attempt 3 fails on purpose"):
+            first[doomed].get(timeout=10)
+        assert followers[doomed].get(timeout=10) == "next"
+        for key in (kept, doomed):
+            assert_one_at_a_time(workers.runs(key))
+            workers.wait(lambda k=key, n=name: workers.snapshot(n, k) == [], what=f"{key} to empty")
+
+
+def test_a_gated_run_gets_its_real_result(shared: Workers) -> None:
+    workers, key, go = shared, unique("S"), unique("go")
+    first = workers.record.delay(key, "first", 0.0, until=go)
+    workers.wait(lambda: workers.started(key) == ["first"], what="the holder to start")
+    second = workers.record.delay(key, "second", 0.0)
+    workers.wait(
+        lambda: any(
+            w.run_id == second.id and w.state is not RunState.PENDING
+            for snap in workers.snapshot("workers.record", key)
+            for w in snap.waiters
+        ),
+        what="the second run to be gated",
+    )
+    assert second.state == "PENDING"  # the deferral stored nothing
+    workers.go(go)
+    # A failure or a premature result stored at the deferral would be returned here.
+    assert second.get(timeout=25) == "second"
+    assert first.get(timeout=5) == "first"
+    assert [r["label"] for r in by_start(workers.runs(key))] == ["first", "second"]
+
+
+def test_chains_and_groups_of_singletons_complete(shared: Workers) -> None:
+    """Each next step is published while the step before still holds the key: it is gated and woken."""
+    workers, chained, grouped = shared, unique("P"), unique("G")
+    compute = workers.tasks["workers.compute"]
+    flow = chain(compute.s(1, chained, 10), compute.s(chained, 100), compute.s(chained, 1000)).apply_async()
+    together = group(workers.record.s(grouped, f"g{i}", 0.2) for i in range(4)).apply_async()
+    assert flow.get(timeout=25) == 1111 and flow.parent.get(timeout=5) == 111
+    assert together.get(timeout=25) == ["g0", "g1", "g2", "g3"]
+    assert [r["label"] for r in by_start(workers.runs(chained))] == ["+10", "+100", "+1000"]
+    runs = by_start(workers.runs(grouped))
+    assert [r["label"] for r in runs] == ["g0", "g1", "g2", "g3"]
+    assert_one_at_a_time(runs)
+    assert_one_at_a_time(workers.runs(chained))
+
+
+def test_revoking_a_waiter_skips_it_and_the_key_moves_on(shared: Workers) -> None:
+    workers, key, go = shared, unique("V"), unique("go")
+    holder = workers.record.delay(key, "holder", 0.0, until=go)
+    workers.wait(lambda: workers.started(key) == ["holder"], what="the holder to start")
+    revoked = workers.record.delay(key, "revoked", 0.0)
+    after = workers.record.delay(key, "after", 0.0)
+    workers.wait(lambda: bool(workers.deliveries(revoked.id)), what="the waiter's first delivery")
+    revoked.revoke()
+    workers.wait_revoked(revoked.id)
+    workers.go(go)  # the holder's release wakes the revoked waiter: discarded, its settlement wakes the next
+    assert after.get(timeout=25) == "after"
+    assert [r["label"] for r in by_start(workers.runs(key))] == ["holder", "after"]
+    assert "revoked" not in workers.started(key)
+    assert holder.get(timeout=5) == "holder"
+    workers.wait(lambda: revoked.state == "REVOKED", what="the revoked state")
+    workers.wait(lambda: workers.snapshot("workers.record", key) == [], what="the key to empty")
+
+
+def test_revoking_a_running_holder_lets_it_finish_then_the_key_moves_on(shared: Workers) -> None:
+    workers, key, go = shared, unique("H"), unique("go")
+    holder = workers.record.delay(key, "holder", 0.0, until=go)
+    workers.wait(lambda: workers.started(key) == ["holder"], what="the holder to start")
+    waiter = workers.record.delay(key, "waiter", 0.0)
+    workers.wait(lambda: bool(workers.deliveries(waiter.id)), what="the waiter's first delivery")
+    holder.revoke()  # without terminate: Celery lets a started task run to its end
+    workers.wait_revoked(holder.id)
+    assert workers.runs(key) == []
+    workers.go(go)
+    assert waiter.get(timeout=25) == "waiter"
+    # (holder.get() may raise TaskRevokedError: the worker not running it marks it revoked.)
+    runs = by_start(workers.runs(key))
+    assert [r["label"] for r in runs] == ["holder", "waiter"]
+    assert_one_at_a_time(runs)
+    workers.wait(lambda: workers.snapshot("workers.record", key) == [], what="the key to empty")
+
+
+def test_a_task_id_started_twice_publishes_once(shared: Workers) -> None:
+    """SPEC §7: ``apply_async(task_id=X)`` again while X is holding, or waiting, publishes nothing."""
+    workers, key, go = shared, unique("D"), unique("go")
+    held, waiting = f"held-{key}", f"waiting-{key}"
+    first = workers.record.apply_async((key, "first", 0.0), {"until": go}, task_id=held)
+    workers.wait(lambda: workers.started(key) == ["first"], what="the holder to start")
+    second = workers.record.apply_async((key, "second", 0.0), task_id=waiting)
+    workers.wait(lambda: bool(workers.deliveries(waiting)), what="the waiter's first delivery")
+    assert workers.record.apply_async((key, "dup", 0.0), task_id=held).id == held
+    assert workers.record.apply_async((key, "dup", 0.0), task_id=waiting).id == waiting
+    assert workers.stored("workers.record", key) == {held, waiting}
+    workers.go(go)
+    assert second.get(timeout=25) == "second" and first.get(timeout=5) == "first"
+    assert [r["label"] for r in by_start(workers.runs(key))] == ["first", "second"]
+    assert len(workers.deliveries(held)) == 1  # admitted at its only delivery
+    # A published duplicate would have been delivered while the key was held (and deferred).
+    assert [d for d in workers.deliveries() if d["args"][:2] == [key, "dup"]] == []
 
 
 @pytest.mark.parametrize("pool", ["prefork", "threads"])
