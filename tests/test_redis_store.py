@@ -3,7 +3,10 @@ layout (one hash tag per key, nothing left behind), one EVALSHA per operation, e
 
 from __future__ import annotations
 
+import gc
+import os
 import random
+import threading
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -364,13 +367,19 @@ def test_every_operation_is_one_evalsha(namespace: str) -> None:
     for script in store._scripts.values():  # a first call may have to SCRIPT LOAD
         client.script_load(script.script)
     commands: list[str] = []
-    original = client.execute_command
 
-    def counting(*args: Any, **options: Any) -> Any:
-        commands.append(str(args[0]))
-        return original(*args, **options)
+    def count_on(counted: Any) -> None:
+        original = counted.execute_command
 
-    client.execute_command = counting  # type: ignore[method-assign]
+        def counting(*args: Any, **options: Any) -> Any:
+            commands.append(str(args[0]))
+            return original(*args, **options)
+
+        counted.execute_command = counting
+
+    # Operations run on this thread's pinned client; the shared one must see none.
+    count_on(client)
+    count_on(store._thread_client())
     ops = [
         lambda: store.register(spec, now=1.0, confirmed=False),
         lambda: store.confirm("s", "k", "r1", now=1.0),
@@ -386,6 +395,46 @@ def test_every_operation_is_one_evalsha(namespace: str) -> None:
         commands.clear()
         op()
         assert commands == ["EVALSHA"]
+    store.close()
+
+
+def test_each_thread_pins_its_own_connection_and_returns_it(namespace: str) -> None:
+    store = RedisStore(REDIS_URL, namespace=namespace)
+    store.register(RunSpec("s", "main", "main"), now=1.0)
+    ids = {"main": store._thread_client().client_id()}
+
+    def operate(name: str) -> None:
+        store.register(RunSpec("s", name, name), now=1.0)
+        ids[name] = store._thread_client().client_id()
+
+    threads = [threading.Thread(target=operate, args=(f"t{i}",)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(set(ids.values())) == 3  # one server connection per thread
+    gc.collect()  # the finished threads' clients hand their connections back to the pool
+    assert len(store._client.connection_pool._available_connections) >= 2
+    store.close()
+
+
+def test_a_forked_child_uses_its_own_connection(namespace: str) -> None:
+    store = RedisStore(REDIS_URL, namespace=namespace)
+    store.register(RunSpec("s", "k", "parent"), now=1.0)
+    parent_id = store._thread_client().client_id()
+    pid = os.fork()
+    if pid == 0:  # the child: never return into pytest
+        code = 2
+        try:
+            store.register(RunSpec("s", "k", "child"), now=1.0)
+            code = 0 if store._thread_client().client_id() != parent_id else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    # The child's exit did not break the parent's connection.
+    assert store._thread_client().client_id() == parent_id
+    assert [s.key for s in store.snapshot(now=1.0)] == ["k"]
     store.close()
 
 

