@@ -25,7 +25,7 @@ import redis
 from celery import chain, group
 from celery.result import AsyncResult
 from celery_app import AppConfig, build, go_key
-from conftest import BROKER_REDIS_URL, POSTGRES_URL, RABBITMQ_URL, REDIS_URL, require_server
+from worker_env import BROKERS, LOG_URL, STORES, brokers, fresh_namespace
 
 from singleton_tasks import SingletonQueueFullError, store_from_url
 from singleton_tasks.outcomes import KeySnapshot, RunState
@@ -34,14 +34,6 @@ pytestmark = pytest.mark.workers
 
 APP_DIR = Path(__file__).parent
 CELERY = str(Path(sys.executable).with_name("celery"))
-LOG_URL = os.environ.get("SINGLETON_TEST_LOG_REDIS_URL", "redis://127.0.0.1:6379/13")
-BROKERS = {"redis": BROKER_REDIS_URL, "rabbitmq": RABBITMQ_URL}
-STORES = {"redis": REDIS_URL, "postgres": POSTGRES_URL}
-
-
-def brokers() -> list[str]:
-    chosen = os.environ.get("SINGLETON_TEST_BROKER")  # tox runs one broker per environment
-    return [chosen] if chosen else list(BROKERS)
 
 
 class Workers:
@@ -170,14 +162,7 @@ class Workers:
 
 
 def _new_workers(broker: str, store: str, logs: Path, **options: Any) -> Workers:
-    require_server(BROKERS[broker], "RabbitMQ" if broker == "rabbitmq" else "Redis")
-    require_server(STORES[store], "PostgreSQL" if store == "postgres" else "Redis")
-    require_server(LOG_URL, "Redis")
-    namespace = f"c{uuid.uuid4().hex[:10]}"
-    if store == "postgres":
-        migrated = store_from_url(STORES[store], namespace=namespace)
-        migrated.migrate()
-        migrated.close()
+    namespace = fresh_namespace(broker, store, "c")
     config = AppConfig(
         broker_url=BROKERS[broker],
         store=STORES[store],

@@ -21,9 +21,9 @@ from typing import Any
 import dramatiq
 import pytest
 import redis
-from conftest import BROKER_REDIS_URL, POSTGRES_URL, RABBITMQ_URL, REDIS_URL, require_server
 from dramatiq.results import ResultFailure
 from dramatiq_app import AppConfig, build
+from worker_env import BROKERS, LOG_URL, STORES, brokers, fresh_namespace
 
 from singleton_tasks import SingletonQueueFullError, store_from_url
 from singleton_tasks.outcomes import KeySnapshot
@@ -32,14 +32,6 @@ pytestmark = pytest.mark.workers
 
 APP_DIR = Path(__file__).parent
 DRAMATIQ = str(Path(sys.executable).with_name("dramatiq"))
-LOG_URL = os.environ.get("SINGLETON_TEST_LOG_REDIS_URL", "redis://127.0.0.1:6379/13")
-BROKERS = {"redis": BROKER_REDIS_URL, "rabbitmq": RABBITMQ_URL}
-STORES = {"redis": REDIS_URL, "postgres": POSTGRES_URL}
-
-
-def brokers() -> list[str]:
-    chosen = os.environ.get("SINGLETON_TEST_BROKER")  # tox runs one broker per environment
-    return [chosen] if chosen else list(BROKERS)
 
 
 class App:
@@ -133,14 +125,7 @@ class App:
 
 
 def _new_app(broker: str, store: str, logs: Path, **options: Any) -> App:
-    require_server(BROKERS[broker], "RabbitMQ" if broker == "rabbitmq" else "Redis")
-    require_server(STORES[store], "PostgreSQL" if store == "postgres" else "Redis")
-    require_server(LOG_URL, "Redis")
-    namespace = f"w{uuid.uuid4().hex[:10]}"
-    if store == "postgres":
-        made = store_from_url(STORES[store], namespace=namespace)
-        made.migrate()
-        made.close()
+    namespace = fresh_namespace(broker, store, "w")
     config = AppConfig(
         broker=broker,
         broker_url=BROKERS[broker],
