@@ -282,7 +282,9 @@ def claim(
     if run.state is RunState.HOLDING:
         if run.executing and run.lease_expires_at > now:
             run.generation += 1
-            run.live = sorted({run.holder_generation, run.generation})
+            # This copy stays live until its deferred copy is published: a crash in between
+            # redelivers it, and it must not be dropped as stale (the run would be lost).
+            run.live = sorted({run.holder_generation, generation, run.generation})
             tx.save_run(run)
             wakes = _wakes(tx, meta, spec.scope, spec.key, now, skip=None) if evicted else []
             _finish(tx, meta)

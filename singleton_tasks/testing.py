@@ -502,6 +502,28 @@ class StoreContract:
         stale(store, h, again.generation, T0 + 4)
         assert store.snapshot(now=T0 + 4) == []
 
+    def test_a_busy_copy_stays_live_until_its_deferral_is_published(
+        self, store_factory: StoreFactory
+    ) -> None:
+        # A worker defers a busy duplicate (the claim names a new generation), then dies before
+        # publishing that copy: the broker redelivers the old one, which must be deferred again,
+        # not dropped as stale (nothing else would ever run the run again).
+        store = store_factory()
+        h = spec("h", lease=60.0)
+        token = admitted(store, h, 0, T0)
+        first = store.claim(h, 0, b"dup", now=T0 + 1)
+        assert first.decision is Decision.BUSY and first.generation is not None
+        lost = store.claim(h, first.generation, b"dup", now=T0 + 2)  # its copy is never published
+        assert lost.decision is Decision.BUSY
+        redelivered = store.claim(h, first.generation, b"dup", now=T0 + 3)
+        assert redelivered.decision is Decision.BUSY
+        assert redelivered.generation is not None
+        # The holder's own copy keeps its slot through all of it.
+        snap = one_key(store, T0 + 3)
+        assert snap is not None and [(x.run_id, x.token) for x in snap.holders] == [("h", token)]
+        assert store.release(SCOPE, KEY, "h", token=token, now=T0 + 4).released
+        stale(store, h, redelivered.generation, T0 + 5)
+
     def test_suspended_holder_is_readmitted_on_its_own_slot(self, store_factory: StoreFactory) -> None:
         store = store_factory()
         h, w = spec("h"), spec("w")

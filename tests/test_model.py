@@ -208,7 +208,7 @@ class Model:
         if run.state is RunState.HOLDING:
             if run.executing and run.lease_expires_at > now:
                 run.generation += 1
-                run.live = sorted({run.holder_gen, run.generation})
+                run.live = sorted({run.holder_gen, generation, run.generation})
                 wakes = self.wakes(spec.key, k, now, None) if evicted else []
                 return ClaimOutcome(
                     Decision.BUSY, generation=run.generation, evicted=evicted, wakes=tuple(wakes)

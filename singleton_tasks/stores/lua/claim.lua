@@ -70,7 +70,8 @@ run.orphan_timeout = orphan_timeout
 if run.state == 'holding' then
   if run.executing and run.lease_expires_at > now then
     run.generation = run.generation + 1
-    run.live = sorted_pair(run.holder_generation, run.generation)
+    -- This copy stays live until its deferred copy is published (gate.py says why).
+    run.live = sorted_triple(run.holder_generation, generation, run.generation)
     save_run(run)
     local woken = {}
     if #evicted > 0 then

@@ -173,6 +173,18 @@ local function sorted_pair(a, b)
   return { b, a }
 end
 
+-- sorted({a, b, c}) of gate.py: the three generations, deduplicated, ascending.
+local function sorted_triple(a, b, c)
+  local out = {}
+  for _, g in ipairs({ a, b, c }) do
+    if not contains(out, g) then
+      out[#out + 1] = g
+    end
+  end
+  table.sort(out)
+  return out
+end
+
 -- run.payload == STORED: whatever the hash holds, not read (see run_payload); nil: None.
 local STORED = {}
 
