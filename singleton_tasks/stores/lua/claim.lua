@@ -71,7 +71,7 @@ if run.state == 'holding' then
   if run.executing and run.lease_expires_at > now then
     run.generation = run.generation + 1
     -- This copy stays live until its deferred copy is published (gate.py says why).
-    run.live = sorted_triple(run.holder_generation, generation, run.generation)
+    run.live = sorted_generations(run.holder_generation, generation, run.generation)
     save_run(run)
     local woken = {}
     if #evicted > 0 then
@@ -100,7 +100,7 @@ for _, owner in ipairs(slot_owners(meta.limit - zcard(K.holders), now, run)) do
   end
 end
 run.generation = run.generation + 1
-run.live = sorted_pair(generation, run.generation)
+run.live = sorted_generations(generation, run.generation)
 run.state = 'gated'
 save_run(run)
 local woken = wakes(meta, now, run_id)

@@ -163,20 +163,10 @@ local function contains(list, value)
   return false
 end
 
--- sorted({a, b}) of gate.py: the two generations, deduplicated, ascending.
-local function sorted_pair(a, b)
-  if a == b then
-    return { a }
-  elseif a < b then
-    return { a, b }
-  end
-  return { b, a }
-end
-
--- sorted({a, b, c}) of gate.py: the three generations, deduplicated, ascending.
-local function sorted_triple(a, b, c)
+-- sorted({...}) of gate.py: the given generations, deduplicated, ascending.
+local function sorted_generations(...)
   local out = {}
-  for _, g in ipairs({ a, b, c }) do
+  for _, g in ipairs({ ... }) do
     if not contains(out, g) then
       out[#out + 1] = g
     end
