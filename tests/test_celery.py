@@ -339,7 +339,9 @@ def test_only_runs_registered_with_a_slot_free_are_marked_to_skip_their_payload(
     app = make_app(store)
     seen: dict[str, dict[str, Any]] = {}
 
-    @app.task(base=SingletonTask, singleton={"key": "{key}", "limit": 2}, name=unique(), shared=False, bind=True)
+    @app.task(
+        base=SingletonTask, singleton={"key": "{key}", "limit": 2}, name=unique(), shared=False, bind=True
+    )
     def job(self: Any, key: str, label: str) -> str:
         seen[label] = _headers_of(self.request)
         with journal.body(label, key):
