@@ -49,8 +49,6 @@ logger = logging.getLogger("singleton_tasks")
 GENERATION_HEADER = "singleton_gen"
 #: When a wake copy was published (the handoff-latency metric).
 WOKEN_AT_HEADER = "singleton_woken_at"
-#: Set when the run registered with a slot free: its first delivery skips building a payload.
-SLOT_FREE_HEADER = "singleton_slot_free"
 _APP_GATEKEEPER = "_singleton_gatekeeper"
 _APP_SETTINGS = "_singleton_settings"
 _gatekeeper_lock = threading.Lock()
@@ -272,8 +270,6 @@ class SingletonTask(Task):  # type: ignore[misc]
         if outcome.status is Registered.EXISTS:
             logger.info("%s run %s is already registered: not published again (SPEC §7)", self.name, run_id)
             return self.AsyncResult(run_id)
-        if outcome.owns_a_slot(spec.limit):
-            options["headers"] = {**(options.get("headers") or {}), SLOT_FREE_HEADER: True}
         try:
             return publish(run_id)
         except BaseException:
@@ -294,14 +290,12 @@ class SingletonTask(Task):  # type: ignore[misc]
         setattr(request, _DELIVERY_ATTRIBUTE, delivery)  # marks the delivery as handled here
         gatekeeper = gatekeeper_for(self._get_app())
         delivery.spec = spec = gatekeeper.spec(bound, task_id, tuple(args or ()), dict(kwargs or {}))
-        owned_a_slot = _header(request, SLOT_FREE_HEADER) is True
-        wants_payload = gatekeeper.wants_payload(delivery.generation, owned_a_slot=owned_a_slot)
         try:
             outcome = gatekeeper.claim(
                 self.name,
                 spec,
                 delivery.generation,
-                _payload_of(self, request) if wants_payload else None,
+                _payload_of(self, request),
                 woken_at=_woken_at(request),
             )
         except StoreUnavailableError:
@@ -495,20 +489,15 @@ def _republish() -> Iterator[None]:
 
 
 def _generation_of(request: Any) -> int:
-    value = _header(request, GENERATION_HEADER)
+    value = (request.headers or {}).get(GENERATION_HEADER, getattr(request, GENERATION_HEADER, 0))
     try:
         return int(value or 0)
     except (TypeError, ValueError):
         return 0
 
 
-def _header(request: Any, name: str) -> Any:
-    """A custom header of the delivery (Celery also copies them onto the request)."""
-    return (request.headers or {}).get(name, getattr(request, name, None))
-
-
 def _woken_at(request: Any) -> float | None:
-    value = _header(request, WOKEN_AT_HEADER)
+    value = (request.headers or {}).get(WOKEN_AT_HEADER, getattr(request, WOKEN_AT_HEADER, None))
     return float(value) if isinstance(value, (int, float)) else None
 
 

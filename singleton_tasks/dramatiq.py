@@ -50,8 +50,6 @@ OPTION = "singleton"
 GENERATION = "singleton_gen"
 #: When a wake copy was published (the handoff-latency metric).
 WOKEN_AT = "singleton_woken_at"
-#: Set when the run registered with a slot free: its first delivery skips building a payload.
-SLOT_FREE = "singleton_slot_free"
 #: Generation put on a duplicate start of a registered run id: never live, so the copy is dropped.
 _DEAD_GENERATION = -1
 
@@ -216,8 +214,6 @@ class SingletonMiddleware(dramatiq.Middleware):
             message.options[GENERATION] = _DEAD_GENERATION
             return
         message.options[GENERATION] = 0
-        if outcome.owns_a_slot(spec.limit):
-            message.options[SLOT_FREE] = True
         self._local.pending = (message.message_id, spec)
 
     def after_enqueue(self, broker: Broker, message: Message[Any], delay: int) -> None:
@@ -273,12 +269,7 @@ class SingletonMiddleware(dramatiq.Middleware):
             message.fail()
             raise KeyFailed(str(error)) from error
         delivery.spec = spec
-        owned_a_slot = message.options.get(SLOT_FREE) is True
-        payload = (
-            message.copy().encode()
-            if self.gatekeeper.wants_payload(generation, owned_a_slot=owned_a_slot)
-            else None
-        )
+        payload = message.copy().encode()
         try:
             outcome = self.gatekeeper.claim(
                 bound.task_name,
@@ -549,7 +540,6 @@ register_describer(_describe_actor)
 
 __all__ = [
     "GENERATION",
-    "SLOT_FREE",
     "ConfigError",
     "DeferralFailed",
     "KeyFailed",

@@ -32,10 +32,6 @@ class RegisterOutcome:
     status: Registered
     in_flight: int  # holders + waiters of the key after the call
 
-    def owns_a_slot(self, limit: int) -> bool:
-        """Registered among the key's first ``limit`` runs: its first delivery finds a slot free."""
-        return self.status is Registered.REGISTERED and self.in_flight <= limit
-
 
 class Decision(enum.Enum):
     """Answer of ``claim`` for one delivery."""

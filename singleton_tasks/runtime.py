@@ -138,16 +138,6 @@ class Gatekeeper:
             orphan_timeout=None if orphan is None or orphan == DISABLED else float(orphan),
         )
 
-    @staticmethod
-    def wants_payload(generation: int, *, owned_a_slot: bool) -> bool:
-        """Whether a delivery's claim carries its payload: only a gated run's is ever published.
-
-        A first delivery (generation 0) registered with a slot free is admitted unless the line
-        changed since; it skips building the payload. Should it be gated after all, its deferred
-        copy re-checks it on its timer instead of a wake (SPEC §3.6's fallback).
-        """
-        return generation != 0 or not owned_a_slot
-
     def deferral_delay(self, position: int | None, limit: int = 1) -> float:
         """~retry_delay ± jitter at the head of the line; rarer re-checks further back (SPEC §3)."""
         base = self.options.retry_delay

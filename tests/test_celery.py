@@ -39,15 +39,8 @@ from singleton_tasks import (
     singleton,
     store_from_url,
 )
-from singleton_tasks.celery import (
-    GENERATION_HEADER,
-    SLOT_FREE_HEADER,
-    WOKEN_AT_HEADER,
-    SingletonTask,
-    gatekeeper_for,
-    install,
-)
-from singleton_tasks.outcomes import RegisterOutcome, RunSpec, RunState
+from singleton_tasks.celery import GENERATION_HEADER, SingletonTask, gatekeeper_for, install
+from singleton_tasks.outcomes import RegisterOutcome, RunSpec
 from singleton_tasks.stores import Store
 from singleton_tasks.stores.memory import MemoryStore
 from singleton_tasks.testing import require_executable
@@ -314,80 +307,6 @@ def test_release_wakes_the_next_waiter_long_before_the_retry_delay(store: Store,
     elapsed = time.monotonic() - started
     assert elapsed < 10, f"a 10-run burst took {elapsed:.1f}s: the handoffs waited for the 30 s timer"
     assert journal.overlaps == [] and journal.labels() == [f"r{i}" for i in range(10)]
-
-
-def _headers_of(request: Any) -> dict[str, Any]:
-    headers = request.headers or {}
-    return {name: headers.get(name, getattr(request, name, None)) for name in HEADERS}
-
-
-HEADERS = (GENERATION_HEADER, SLOT_FREE_HEADER, WOKEN_AT_HEADER)
-
-
-def _gated(store: Store, run_id: str) -> bool:
-    """The run was delivered and deferred (its delayed copy is pending)."""
-    return any(
-        w.run_id == run_id and w.state is not RunState.PENDING
-        for snap in store.snapshot(now=time.time())
-        for w in snap.waiters
-    )
-
-
-def test_only_runs_registered_with_a_slot_free_are_marked_to_skip_their_payload(
-    store: Store, journal: Journal
-) -> None:
-    app = make_app(store)
-    seen: dict[str, dict[str, Any]] = {}
-
-    @app.task(
-        base=SingletonTask, singleton={"key": "{key}", "limit": 2}, name=unique(), shared=False, bind=True
-    )
-    def job(self: Any, key: str, label: str) -> str:
-        seen[label] = _headers_of(self.request)
-        with journal.body(label, key):
-            time.sleep(0.05)
-        return label
-
-    results = [job.delay("K", label) for label in ("a", "b", "c")] + [job.delay("other", "d")]
-    with worker(app, concurrency=4):
-        assert sorted(r.get(interval=0.01, timeout=10) for r in results) == ["a", "b", "c", "d"]
-    assert {label: h[SLOT_FREE_HEADER] for label, h in seen.items()} == {
-        "a": True,
-        "b": True,
-        "c": None,  # registered behind two holders: its claims carry its payload
-        "d": True,
-    }
-    assert runs_of(store) == []
-
-
-def test_a_marked_run_gated_after_all_runs_by_its_timer(store: Store, journal: Journal) -> None:
-    # A run registered with a slot free claims without its payload. Should the line change before
-    # its delivery (here: the mark forged onto a run sent behind a holder), the release cannot
-    # wake it; its deferred copy, which carries the payload, re-checks it on its timer.
-    app = make_app(store, retry_delay=2.0, retry_jitter=0.0)  # the release comes long before the timer
-    holder_may_finish = threading.Event()
-    seen: dict[str, dict[str, Any]] = {}
-
-    @app.task(base=SingletonTask, singleton={"key": "k"}, name=unique(), shared=False, bind=True)
-    def job(self: Any, label: str) -> str:
-        seen[label] = _headers_of(self.request)
-        with journal.body(label, "k"):
-            if label == "holder":
-                assert holder_may_finish.wait(10)
-        return label
-
-    with worker(app, concurrency=4):
-        holder = job.delay("holder")
-        wait_for(lambda: journal.labels() == ["holder"], what="the holder to start")
-        late = job.apply_async(("late",), headers={SLOT_FREE_HEADER: True})
-        wait_for(lambda: _gated(store, late.id), what="the late run to be deferred")
-        holder_may_finish.set()
-        assert holder.get(interval=0.01, timeout=10) == "holder"
-        assert late.get(interval=0.01, timeout=10) == "late"
-    assert journal.labels() == ["holder", "late"] and journal.overlaps == []
-    assert seen["late"][WOKEN_AT_HEADER] is None  # no payload, no wake: its deferred copy ran it
-    assert seen["late"][GENERATION_HEADER] == 1
-    assert runs_of(store) == []
 
 
 # -- retries keep the slot (SPEC §3.4) ---------------------------------------------------------

@@ -31,7 +31,7 @@ from singleton_tasks import (
     current_admission,
     singleton,
 )
-from singleton_tasks.dramatiq import GENERATION, SLOT_FREE, WOKEN_AT, QueueFull, SingletonMiddleware
+from singleton_tasks.dramatiq import GENERATION, QueueFull, SingletonMiddleware
 from singleton_tasks.outcomes import RunState
 from singleton_tasks.stores import SCHEMA_VERSION
 from singleton_tasks.testing import reachable, require_executable, unavailable
@@ -118,14 +118,11 @@ class Probe(dramatiq.Middleware):
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.deliveries: list[tuple[str, int]] = []
-        self.woken: list[str] = []  # message ids of delivered wake copies
         self.published: list[dramatiq.Message[Any]] = []
 
     def before_process_message(self, broker: Any, message: Any) -> None:
         with self.lock:
             self.deliveries.append((message.message_id, message.options.get(GENERATION, 0)))
-            if message.options.get(WOKEN_AT) is not None:
-                self.woken.append(message.message_id)
 
     def after_enqueue(self, broker: Any, message: Any, delay: Any) -> None:
         with self.lock:
@@ -385,42 +382,6 @@ def test_woken_copy_and_delayed_copy_run_the_body_once(make_env: Callable[..., E
     env.join()  # waits for the delayed copy too
     assert len(env.journal.ran("waiter")) == 1
     assert env.probe.delivered(waiter.message_id) >= 3  # first sight, woken copy, delayed copy
-    assert env.keys() == []
-
-
-def test_only_runs_registered_with_a_slot_free_are_marked_to_skip_their_payload(
-    make_env: Callable[..., Env],
-) -> None:
-    env = make_env()
-    job = env.job(singleton={"key": "{key}", "limit": 2})
-    sent = [job.send("K", label) for label in ("a", "b", "c")] + [job.send("other", "d")]
-    marked = {m.args[1]: m.options.get(SLOT_FREE) for m in env.probe.published}
-    assert marked == {"a": True, "b": True, "c": None, "d": True}  # c registered behind two
-    env.start()
-    env.join()
-    assert sorted(env.journal.started()) == ["a", "b", "c", "d"]
-    assert all(env.probe.delivered(m.message_id) == 1 for m in (sent[0], sent[1], sent[3]))
-
-
-def test_a_marked_run_gated_after_all_runs_by_its_timer(make_env: Callable[..., Env]) -> None:
-    # A run registered with a slot free claims without its payload. Should the line change before
-    # its delivery (here: the mark forged onto a run sent behind a holder), the release cannot
-    # wake it; its deferred copy, which carries the payload, re-checks it on its timer.
-    env = make_env(retry_delay=2.0, retry_jitter=0.0)  # the release comes long before the timer
-    job = env.job()
-    env.start()
-    env.hold("holder")
-    holder = job.send("K", "holder")
-    env.journal.wait(lambda: env.journal.started() == ["holder"])
-    late = job.send_with_options(args=("K", "late"), **{SLOT_FREE: True})
-    env.journal.wait(lambda: env.gated(late.message_id))
-    env.let_go("holder")
-    env.join()
-    assert env.journal.started() == ["holder", "late"]
-    assert len(env.journal.ran("late")) == 1
-    assert env.probe.woken == []  # no payload, no wake: its deferred copy ran it
-    assert [gen for mid, gen in env.probe.deliveries if mid == late.message_id] == [0, 1]
-    assert env.probe.delivered(holder.message_id) == 1
     assert env.keys() == []
 
 
