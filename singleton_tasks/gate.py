@@ -181,7 +181,10 @@ def _wakes(
     for run in _slot_owners(tx, free, now):
         if run.state is RunState.GATED and run.run_id != skip:
             run.generation += 1
-            run.live = [*run.live[-1:], run.generation]
+            # A payload-less wake cannot be published, so every copy in flight stays live: the
+            # deferred one may never have been published, leaving only the first to run it.
+            kept = run.live if run.payload is None else run.live[-1:]
+            run.live = [*kept, run.generation]
             run.state = RunState.WOKEN
             tx.save_run(run)
             wakes.append(Wake(scope, key, run.run_id, run.generation, run.payload))

@@ -524,6 +524,40 @@ class StoreContract:
         assert store.release(SCOPE, KEY, "h", token=token, now=T0 + 4).released
         stale(store, h, redelivered.generation, T0 + 5)
 
+    def test_a_woken_waiter_without_payload_keeps_its_undeferred_copy_live(
+        self, store_factory: StoreFactory
+    ) -> None:
+        # A waiter gated without a payload (Celery arguments JSON cannot carry) cannot be
+        # published by its wake. If its deferred copy was never published (the worker died, or
+        # the broker refused it), only the redelivered first copy is left to run it: a release
+        # must not make that copy stale, or the run is lost and its key stuck behind it.
+        store = store_factory()
+        h, w = spec("h"), spec("w")
+        registered(store, h, T0)
+        registered(store, w, T0 + 1)
+        token = admitted(store, h, 0, T0 + 2)
+        deferred = gated(store, w, 0, T0 + 3, None, position=1).generation  # never published
+        wake = the_wake(store.release(SCOPE, KEY, "h", token=token, now=T0 + 4).wakes, "w")
+        assert wake.payload is None
+        w_token = admitted(store, w, 0, T0 + 5)  # the redelivered first copy
+        assert holders(store, T0 + 5) == ["w"]
+        assert deferred is not None
+        stale(store, w, deferred, T0 + 6)
+        stale(store, w, wake.generation, T0 + 6)
+        assert store.release(SCOPE, KEY, "w", token=w_token, now=T0 + 7).released
+        assert store.snapshot(now=T0 + 7) == []
+
+    def test_a_woken_waiter_with_payload_drops_its_older_copies(self, store_factory: StoreFactory) -> None:
+        # With a payload the wake publishes the run itself, so copies older than its deferral die.
+        store = store_factory()
+        h, w = spec("h"), spec("w")
+        token = admitted(store, h, 0, T0)
+        deferred = gated(store, w, 0, T0 + 1, b"w", position=1).generation
+        assert deferred is not None
+        wake = the_wake(store.release(SCOPE, KEY, "h", token=token, now=T0 + 2).wakes, "w")
+        stale(store, w, 0, T0 + 3)
+        admitted(store, w, wake.generation, T0 + 4)
+
     def test_suspended_holder_is_readmitted_on_its_own_slot(self, store_factory: StoreFactory) -> None:
         store = store_factory()
         h, w = spec("h"), spec("w")

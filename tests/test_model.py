@@ -151,7 +151,10 @@ class Model:
         for run in self.owners(k, now):
             if run.state is RunState.GATED and run.run_id != skip:
                 run.generation += 1
-                run.live = [run.live[-1], run.generation] if run.live else [run.generation]
+                if run.payload is not None and run.live:
+                    run.live = [run.live[-1], run.generation]
+                else:  # nothing can publish this wake: every earlier copy stays live
+                    run.live = [*run.live, run.generation]
                 run.state = RunState.WOKEN
                 out.append(Wake(self.scope, key, run.run_id, run.generation, run.payload))
         return out

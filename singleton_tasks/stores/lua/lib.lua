@@ -452,9 +452,10 @@ local function wakes(meta, now, skip)
     if owner[2] == 'gated' and owner[1] ~= skip then
       local run = load_run(owner[1])
       run.generation = run.generation + 1
-      local live = {}
-      if #run.live > 0 then
-        live[1] = run.live[#run.live]
+      -- A payload-less wake cannot be published: every copy in flight stays live (gate.py).
+      local live = run.live
+      if run_payload(run) and #live > 0 then
+        live = { live[#live] }
       end
       live[#live + 1] = run.generation
       run.live = live
