@@ -16,7 +16,15 @@ from conftest import REDIS_URL, require_server
 
 from singleton_tasks.errors import SingletonConfigError, StoreUnavailableError
 from singleton_tasks.gate import Timings
-from singleton_tasks.outcomes import ClaimOutcome, Decision, HolderRef, ReleaseOutcome, RunSpec, RunState
+from singleton_tasks.outcomes import (
+    ClaimOutcome,
+    Decision,
+    HolderRef,
+    Registered,
+    ReleaseOutcome,
+    RunSpec,
+    RunState,
+)
 from singleton_tasks.stores.memory import MemoryStore
 
 redis_mod = pytest.importorskip("redis")
@@ -360,44 +368,6 @@ def test_an_empty_key_keeps_only_its_token_counter(namespace: str) -> None:
     store.close()
 
 
-def test_every_operation_is_one_evalsha(namespace: str) -> None:
-    store = RedisStore(REDIS_URL, namespace=namespace)
-    client = store._client
-    spec = RunSpec("s", "k", "r1")
-    for script in store._scripts.values():  # a first call may have to SCRIPT LOAD
-        client.script_load(script.script)
-    commands: list[str] = []
-
-    def count_on(counted: Any) -> None:
-        original = counted.execute_command
-
-        def counting(*args: Any, **options: Any) -> Any:
-            commands.append(str(args[0]))
-            return original(*args, **options)
-
-        counted.execute_command = counting
-
-    # Operations run on this thread's pinned client; the shared one must see none.
-    count_on(client)
-    count_on(store._thread_client())
-    ops = [
-        lambda: store.register(spec, now=1.0, confirmed=False),
-        lambda: store.confirm("s", "k", "r1", now=1.0),
-        lambda: store.claim(spec, 0, b"x", now=2.0),
-        lambda: store.heartbeat([HolderRef("s", "k", "r1", 1), HolderRef("s", "k2", "r9", 4)], now=3.0),
-        lambda: store.suspend("s", "k", "r1", 1, now=3.0, delay=1.0),
-        lambda: store.release("s", "k", "r1", token=1, now=4.0),
-        lambda: store.register(RunSpec("s", "k", "r2"), now=5.0),
-        lambda: store.unregister("s", "k", "r2", now=5.0),
-        lambda: store.snapshot(now=5.0, scope="s", key="k"),
-    ]
-    for op in ops:
-        commands.clear()
-        op()
-        assert commands == ["EVALSHA"]
-    store.close()
-
-
 def test_each_thread_pins_its_own_connection_and_returns_it(namespace: str) -> None:
     store = RedisStore(REDIS_URL, namespace=namespace)
     store.register(RunSpec("s", "main", "main"), now=1.0)
@@ -415,6 +385,24 @@ def test_each_thread_pins_its_own_connection_and_returns_it(namespace: str) -> N
     assert len(set(ids.values())) == 3  # one server connection per thread
     gc.collect()  # the finished threads' clients hand their connections back to the pool
     assert len(store._client.connection_pool._available_connections) >= 2
+    store.close()
+
+
+def test_a_dropped_pinned_connection_fails_one_operation_then_reconnects(namespace: str) -> None:
+    # The server closed this thread's connection (a restart, a proxy's idle timeout). The
+    # operation that finds out fails as unavailable (never re-sent: a script may have run), and
+    # the next one makes the connection again.
+    store = RedisStore(REDIS_URL, namespace=namespace)
+    store.register(RunSpec("s", "k", "first"), now=1.0)
+    dropped = store._thread_client().client_id()
+    killer = redis_mod.Redis.from_url(REDIS_URL)
+    assert killer.client_kill_filter(_id=dropped) == 1
+    killer.close()
+    with pytest.raises(StoreUnavailableError):
+        store.register(RunSpec("s", "k", "second"), now=2.0)
+    outcome = store.register(RunSpec("s", "k", "second"), now=2.0)
+    assert outcome.status is Registered.REGISTERED and outcome.in_flight == 2
+    assert store._thread_client().client_id() != dropped
     store.close()
 
 
