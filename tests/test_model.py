@@ -422,6 +422,14 @@ class GateMachine(RuleBasedStateMachine):
         key, run_id = data.draw(st.sampled_from(runs), label="run")
         self.claim_as(key, run_id, self.latest.get((key, run_id), 0), b"payload")
 
+    @precondition(lambda self: any(k.runs for k in self.model.keys.values()))
+    @rule(data=st.data(), with_payload=st.booleans())
+    def redeliver_first_copy(self, data: st.DataObject, with_payload: bool) -> None:
+        """A worker died before publishing its deferral: the broker hands out the first copy again."""
+        runs = [(key, r.run_id) for key, k in sorted(self.model.keys.items()) for r in k.runs]
+        key, run_id = data.draw(st.sampled_from(runs), label="run")
+        self.claim_as(key, run_id, 0, b"payload" if with_payload else None)
+
     @rule(key=key_names, number=run_numbers, data=st.data(), with_payload=st.booleans())
     def claim(self, key: str, number: int, data: st.DataObject, with_payload: bool) -> None:
         run_id = self.run_id(key, number)
