@@ -488,8 +488,13 @@ def _republish() -> Iterator[None]:
         _republishing.reset(reset)
 
 
+def _header(request: Any, name: str) -> Any:
+    """A custom header of the delivery (Celery also copies them onto the request)."""
+    return (request.headers or {}).get(name, getattr(request, name, None))
+
+
 def _generation_of(request: Any) -> int:
-    value = (request.headers or {}).get(GENERATION_HEADER, getattr(request, GENERATION_HEADER, 0))
+    value = _header(request, GENERATION_HEADER)
     try:
         return int(value or 0)
     except (TypeError, ValueError):
@@ -497,7 +502,7 @@ def _generation_of(request: Any) -> int:
 
 
 def _woken_at(request: Any) -> float | None:
-    value = (request.headers or {}).get(WOKEN_AT_HEADER, getattr(request, WOKEN_AT_HEADER, None))
+    value = _header(request, WOKEN_AT_HEADER)
     return float(value) if isinstance(value, (int, float)) else None
 
 

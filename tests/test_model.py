@@ -414,20 +414,22 @@ class GateMachine(RuleBasedStateMachine):
         self.agree(f"register {spec.run_id} depth={depth}", got, expected)
         event(f"register {got.status.value}")
 
+    def a_registered_run(self, data: st.DataObject) -> tuple[str, str]:
+        runs = [(key, r.run_id) for key, k in sorted(self.model.keys.items()) for r in k.runs]
+        return data.draw(st.sampled_from(runs), label="run")
+
     @precondition(lambda self: any(k.runs for k in self.model.keys.values()))
     @rule(data=st.data())
     def deliver(self, data: st.DataObject) -> None:
         """The common path: the broker delivers the newest copy of a registered run."""
-        runs = [(key, r.run_id) for key, k in sorted(self.model.keys.items()) for r in k.runs]
-        key, run_id = data.draw(st.sampled_from(runs), label="run")
+        key, run_id = self.a_registered_run(data)
         self.claim_as(key, run_id, self.latest.get((key, run_id), 0), b"payload")
 
     @precondition(lambda self: any(k.runs for k in self.model.keys.values()))
     @rule(data=st.data(), with_payload=st.booleans())
     def redeliver_first_copy(self, data: st.DataObject, with_payload: bool) -> None:
         """A worker died before publishing its deferral: the broker hands out the first copy again."""
-        runs = [(key, r.run_id) for key, k in sorted(self.model.keys.items()) for r in k.runs]
-        key, run_id = data.draw(st.sampled_from(runs), label="run")
+        key, run_id = self.a_registered_run(data)
         self.claim_as(key, run_id, 0, b"payload" if with_payload else None)
 
     @rule(key=key_names, number=run_numbers, data=st.data(), with_payload=st.booleans())
