@@ -35,8 +35,12 @@ class _Server:
         self.schema: int | None = SCHEMA_VERSION
 
     def key(self, namespace: str, scope: str, key: str) -> _KeyData:
-        with self.lock:
-            return self.keys.setdefault((namespace, scope, key), _KeyData())
+        ident = (namespace, scope, key)
+        data = self.keys.get(ident)  # entries are never removed: a hit needs no lock
+        if data is None:
+            with self.lock:
+                data = self.keys.setdefault(ident, _KeyData())
+        return data
 
 
 _SERVERS: dict[str, _Server] = {}
