@@ -63,6 +63,28 @@ def quiet_framework_logs() -> None:
         logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
+class BareRoundTrips:
+    """One ``PING`` per call to the store's Redis, on a connection pinned to the calling thread.
+
+    The floor of the issue's own design: two store round trips per uncontended run (admit,
+    release) cost at least two of these, however lean the code around them.
+    """
+
+    def __init__(self, url: str = STORE_REDIS_URL) -> None:
+        self._pool = redis.ConnectionPool.from_url(url)
+        self._local = threading.local()
+
+    def ping(self) -> None:
+        client: redis.Redis | None = getattr(self._local, "client", None)
+        if client is None:
+            client = redis.Redis(connection_pool=self._pool, single_connection_client=True)
+            self._local.client = client
+        client.ping()
+
+    def close(self) -> None:
+        self._pool.disconnect()
+
+
 def flush_redis(url: str) -> None:
     client = redis.Redis.from_url(url)
     try:
