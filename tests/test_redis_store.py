@@ -1,5 +1,5 @@
 """The Redis store against the real server: same answers and state as the memory store, its data
-layout (one hash tag per key, nothing left behind), one EVALSHA per operation, errors."""
+layout (one hash tag per key, nothing left behind), by FCALL and by EVALSHA, errors."""
 
 from __future__ import annotations
 
@@ -106,13 +106,13 @@ def _norm(outcome: Any) -> Any:
 
 
 class _Differential:
-    def __init__(self, seed: int, namespace: str) -> None:
+    def __init__(self, seed: int, namespace: str, *, functions: bool = True) -> None:
         self.rng = random.Random(seed)
         timings = Timings(
             registration_grace=self.rng.choice([0.0, 2.0, 5.0]), settled_ttl=self.rng.choice([3.0, 50.0])
         )
         self.memory = MemoryStore(f"memory://diff-{uuid.uuid4().hex}", namespace=namespace, timings=timings)
-        self.redis = RedisStore(REDIS_URL, namespace=namespace, timings=timings)
+        self.redis = RedisStore(REDIS_URL, namespace=namespace, timings=timings, functions=functions)
         self.keys = [("scope", self.rng.choice(WEIRD_KEYS)), ("scope", "other"), ("sc2", "other")]
         self.runs = [f"run-{i}" for i in range(6)] + ["run {😀}\n"]
         self.generations: dict[str, set[int]] = {run: {0} for run in self.runs}
@@ -239,11 +239,12 @@ def _coverage(op: str, outcome: Any) -> set[str]:
     return seen
 
 
-def test_same_answers_and_state_as_memory_store(namespace: str) -> None:
+@pytest.mark.parametrize("functions", [True, False], ids=["fcall", "evalsha"])
+def test_same_answers_and_state_as_memory_store(namespace: str, functions: bool) -> None:
     """Random operation sequences (same now values) on both stores: same answers, same records."""
     seen: set[str] = set()
     for seed in range(12):
-        diff = _Differential(seed, f"{namespace}-{seed}")
+        diff = _Differential(seed, f"{namespace}-{seed}", functions=functions)
         for i in range(300):
             op, memory, redis_result = diff.step()
             assert _norm(redis_result) == _norm(memory), f"seed {seed} step {i}: {op}"
@@ -440,6 +441,11 @@ def test_store_errors_are_unavailable_and_redacted() -> None:
     ):
         with pytest.raises(StoreUnavailableError):
             call()
+
+
+def test_the_functions_option_takes_a_bool() -> None:
+    with pytest.raises(SingletonConfigError, match="functions must be True or False, got 'no'"):
+        RedisStore(REDIS_URL, functions="no")  # type: ignore[arg-type]
 
 
 def test_decode_responses_is_refused() -> None:

@@ -1,4 +1,5 @@
-"""What an operation costs on Redis: one EVALSHA each, nothing else (SPEC §8, §10).
+"""What an operation costs on Redis: one FCALL each (one EVALSHA without functions), nothing else
+(SPEC §8, §10).
 
 The test starts its own redis-server so that no other client's traffic is counted. What
 the store sends is read with MONITOR, where commands that a Lua script runs inside the server
@@ -72,9 +73,15 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         server.wait(timeout=10)
 
 
+@pytest.fixture(params=["FCALL", "EVALSHA"])
+def call(request: pytest.FixtureRequest) -> str:
+    """How the store calls its scripts: as a function library (Redis 7+) or by EVALSHA."""
+    return str(request.param)
+
+
 @pytest.fixture
-def store(redis_url: str) -> Iterator[Store]:
-    store = store_from_url(redis_url, namespace=f"rt{uuid.uuid4().hex[:10]}")
+def store(redis_url: str, call: str) -> Iterator[Store]:
+    store = store_from_url(redis_url, namespace=f"rt{uuid.uuid4().hex[:10]}", functions=call == "FCALL")
     store.migrate()
     # Load every script and open the connection, so the measured calls are warm.
     spec = RunSpec("warm", "up", "w", limit=1)
@@ -117,45 +124,46 @@ def commands_sent(url: str, action: Callable[[], Any]) -> tuple[Any, list[str], 
     return result, sent, {name: n for name, n in deltas.items() if n}
 
 
-def assert_one_evalsha(sent: list[str], deltas: dict[str, int], what: str = "") -> None:
-    assert len(sent) == 1 and sent[0].upper().startswith("EVALSHA"), (what, sent)
-    assert deltas.get("cmdstat_evalsha") == 1, (what, deltas)
-    assert not {"cmdstat_eval", "cmdstat_script|load", "cmdstat_multi", "cmdstat_exec"} & set(deltas), (
-        what,
-        deltas,
-    )
+def assert_one_call(call: str, sent: list[str], deltas: dict[str, int], what: str = "") -> None:
+    """Exactly one command was sent, the script call ``call`` (FCALL or EVALSHA), and nothing loaded."""
+    assert len(sent) == 1 and sent[0].upper().startswith(call), (what, sent)
+    assert deltas.get(f"cmdstat_{call.lower()}") == 1, (what, deltas)
+    loads = {"cmdstat_eval", "cmdstat_script|load", "cmdstat_function|load", "cmdstat_multi", "cmdstat_exec"}
+    assert not loads & set(deltas), (what, deltas)
+    other = {"cmdstat_fcall", "cmdstat_evalsha"} - {f"cmdstat_{call.lower()}"}
+    assert not other & set(deltas), (what, deltas)
 
 
-def test_uncontended_run_costs_three_round_trips(store: Store, redis_url: str) -> None:
+def test_uncontended_run_costs_three_round_trips(store: Store, redis_url: str, call: str) -> None:
     spec = RunSpec("tasks.sync", "store:7", "run-1", limit=1, max_queue_depth=2)
     outcome, sent, deltas = commands_sent(redis_url, lambda: store.register(spec, now=10.0))
     assert outcome.status is Registered.REGISTERED
-    assert_one_evalsha(sent, deltas)
+    assert_one_call(call, sent, deltas)
     outcome, sent, deltas = commands_sent(redis_url, lambda: store.claim(spec, 0, b"payload", now=11.0))
     assert outcome.decision is Decision.ADMITTED
-    assert_one_evalsha(sent, deltas)
+    assert_one_call(call, sent, deltas)
     token = outcome.token
     outcome, sent, deltas = commands_sent(
         redis_url, lambda: store.release("tasks.sync", "store:7", "run-1", token=token, now=12.0)
     )
     assert outcome.released
-    assert_one_evalsha(sent, deltas)
+    assert_one_call(call, sent, deltas)
 
 
-def test_gating_and_handoff_cost_one_round_trip_each(store: Store, redis_url: str) -> None:
+def test_gating_and_handoff_cost_one_round_trip_each(store: Store, redis_url: str, call: str) -> None:
     holder, waiter = RunSpec("tasks.sync", "k", "holder"), RunSpec("tasks.sync", "k", "waiter")
     token = store.claim(holder, 0, None, now=10.0).token
     outcome, sent, deltas = commands_sent(redis_url, lambda: store.claim(waiter, 0, b"p", now=11.0))
     assert outcome.decision is Decision.GATED
-    assert_one_evalsha(sent, deltas)
+    assert_one_call(call, sent, deltas)
     outcome, sent, deltas = commands_sent(
         redis_url, lambda: store.release("tasks.sync", "k", "holder", token=token, now=12.0)
     )
     assert [w.run_id for w in outcome.wakes] == ["waiter"]  # the wake is decided in the same call
-    assert_one_evalsha(sent, deltas)
+    assert_one_call(call, sent, deltas)
 
 
-def test_heartbeat_of_many_holders_is_one_round_trip(store: Store, redis_url: str) -> None:
+def test_heartbeat_of_many_holders_is_one_round_trip(store: Store, redis_url: str, call: str) -> None:
     refs = []
     for i in range(5):
         spec = RunSpec("tasks.sync", f"key-{i}", f"run-{i}")
@@ -164,10 +172,11 @@ def test_heartbeat_of_many_holders_is_one_round_trip(store: Store, redis_url: st
         refs.append(HolderRef("tasks.sync", f"key-{i}", f"run-{i}", token))
     lost, sent, deltas = commands_sent(redis_url, lambda: store.heartbeat(refs, now=11.0))
     assert lost == []
-    assert_one_evalsha(sent, deltas)
+    assert_one_call(call, sent, deltas)
 
 
-def test_every_operation_is_one_evalsha(store: Store, redis_url: str) -> None:
+def test_every_operation_is_one_call(store: Store, redis_url: str, call: str) -> None:
+    # The fixture's first call loaded the function library; scripts are loaded one by one.
     loader = redis.Redis.from_url(redis_url)
     for script in store._scripts.values():  # type: ignore[attr-defined]  # else a first call loads it
         loader.script_load(script.script)
@@ -186,4 +195,70 @@ def test_every_operation_is_one_evalsha(store: Store, redis_url: str) -> None:
     ]
     for number, op in enumerate(ops):
         _, sent, deltas = commands_sent(redis_url, op)
-        assert_one_evalsha(sent, deltas, what=f"operation {number}")
+        assert_one_call(call, sent, deltas, what=f"operation {number}")
+
+
+def test_a_flushed_server_gets_its_scripts_again_and_the_call_runs_once(
+    store: Store, redis_url: str, call: str
+) -> None:
+    """A restarted or flushed server does not know the scripts: they are loaded, the call made again."""
+    admin = redis.Redis.from_url(redis_url)
+    admin.execute_command("FUNCTION FLUSH" if call == "FCALL" else "SCRIPT FLUSH")
+    admin.close()
+    spec = RunSpec("s", "flushed", "r1", limit=1)
+    outcome, sent, _ = commands_sent(redis_url, lambda: store.register(spec, now=1.0))
+    # Registered exactly once: a call that ran twice would answer EXISTS the second time.
+    assert outcome.status is Registered.REGISTERED, outcome
+    load = "FUNCTION" if call == "FCALL" else "SCRIPT"
+    assert [c.split()[0].upper() for c in sent][-2:] == [load, call], sent
+    [snap] = store.snapshot(now=1.0, scope="s", key="flushed")
+    assert [w.run_id for w in snap.waiters] == ["r1"]
+    outcome, sent, deltas = commands_sent(redis_url, lambda: store.claim(spec, 0, None, now=2.0))
+    assert outcome.decision is Decision.ADMITTED
+    if call == "FCALL":  # one load brought every operation back
+        assert_one_call(call, sent, deltas)
+    else:  # scripts come back one by one
+        assert [c.split()[0].upper() for c in sent][-2:] == ["SCRIPT", "EVALSHA"], sent
+
+
+@pytest.mark.parametrize("denied", [["-fcall", "-function"], ["-function"]], ids=["no-fcall", "no-load"])
+def test_a_user_who_may_not_use_functions_gets_the_scripts_by_evalsha(
+    redis_url: str, denied: list[str]
+) -> None:
+    admin = redis.Redis.from_url(redis_url)
+    admin.function_flush()  # nobody loaded the library for this user
+    user = f"nofn{uuid.uuid4().hex[:6]}"
+    admin.acl_setuser(user, enabled=True, passwords=["+secret"], keys=["*"], commands=["+@all", *denied])
+    admin.close()
+    host_and_port = redis_url.removeprefix("redis://")
+    store = store_from_url(f"redis://{user}:secret@{host_and_port}", namespace=f"rt{uuid.uuid4().hex[:10]}")
+    try:
+        store.migrate()
+        spec = RunSpec("s", "k", "r1")
+        assert store.register(spec, now=1.0).status is Registered.REGISTERED  # finds out, falls back
+        outcome, sent, deltas = commands_sent(redis_url, lambda: store.claim(spec, 0, None, now=2.0))
+        assert outcome.decision is Decision.ADMITTED
+        assert_one_call("EVALSHA", sent, deltas)
+    finally:
+        store.close()
+
+
+def test_a_function_call_forgets_what_the_previous_calls_saw(redis_url: str) -> None:
+    """The library's state lives between calls: each call must read the key afresh.
+
+    A process without functions (EVALSHA) takes a registration back between two calls of the
+    library; the second call must count the line afresh, not from what the first call left behind.
+    """
+    namespace = f"rt{uuid.uuid4().hex[:10]}"
+    with_functions = store_from_url(redis_url, namespace=namespace)
+    by_evalsha = store_from_url(redis_url, namespace=namespace, functions=False)
+    try:
+        with_functions.migrate()
+        first = RunSpec("s", "shared", "first", limit=1, max_queue_depth=0)
+        second = RunSpec("s", "shared", "second", limit=1, max_queue_depth=0)
+        assert with_functions.register(first, now=1.0).status is Registered.REGISTERED
+        assert by_evalsha.unregister("s", "shared", "first", now=2.0)
+        assert with_functions.register(second, now=3.0).status is Registered.REGISTERED
+    finally:
+        with_functions.close()
+        by_evalsha.close()

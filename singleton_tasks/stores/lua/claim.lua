@@ -12,7 +12,7 @@
 --   integers or false (None); takeover 1/0; evicted a list of run ids; wakes a list of
 --   {run_id, generation, payload or false}.
 
-use_key()
+use_key(KEYS, ARGV)
 local run_id = ARGV[3]
 local now = tonumber(ARGV[4])
 local generation = tonumber(ARGV[5])

@@ -4,7 +4,7 @@
 -- ARGV[1] scope   ARGV[2] key   ARGV[3] run id
 -- Returns 1 if the run is registered (now confirmed), 0 if it is unknown.
 
-use_key()
+use_key(KEYS, ARGV)
 local run = load_run(ARGV[3])
 if run == nil then
   return 0

@@ -1,7 +1,9 @@
 -- lib.lua: the building blocks of the gate's rules, shared by every operation script.
 --
--- redis.py puts this file in front of each operation script at load time (one script per
--- operation, one EVALSHA per call). Every function mirrors its namesake in
+-- redis.py loads this file once, in front of the operations, as a function library (Redis 7+:
+-- one FCALL per call); without functions it puts it in front of each operation script (one
+-- EVALSHA per call). Either way KEYS and ARGV reach lib.lua only as use_key's arguments, and
+-- nothing here may keep what one call learned for the next. Every function mirrors its namesake in
 -- singleton_tasks/gate.py (or the KeyTransaction method it stands for): change both together.
 --
 -- Data of one scope+key, all under one hash tag (one Redis Cluster slot):
@@ -50,10 +52,17 @@ end
 
 local K = {}
 
-local function use_key()
-  K.meta, K.waiters, K.holders, K.ghosts = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-  K.prefix = string.sub(KEYS[1], 1, -5) -- KEYS[1] is P..'meta'
-  K.scope, K.key = ARGV[1], ARGV[2]
+-- The sizes of the holders and waiters zsets, read at most once per call and kept in step by
+-- every write to them (ZADD / ZREM answer how many members they added / removed).
+local SIZE = {}
+
+-- Every per-key operation starts here. Loaded as a function library, this file's locals live
+-- as long as the library, so what one call learned (SIZE) is forgotten here.
+local function use_key(keys, argv)
+  K.meta, K.waiters, K.holders, K.ghosts = keys[1], keys[2], keys[3], keys[4]
+  K.prefix = string.sub(keys[1], 1, -5) -- keys[1] is P..'meta'
+  K.scope, K.key = argv[1], argv[2]
+  SIZE = {}
 end
 
 local function run_key(run_id)
@@ -65,10 +74,6 @@ local function settled_key(run_id)
 end
 
 -- Index sizes -------------------------------------------------------------------------------
-
--- The sizes of the holders and waiters zsets, read at most once per call and kept in step by
--- every write to them (ZADD / ZREM answer how many members they added / removed).
-local SIZE = {}
 
 local function zcard(index)
   local n = SIZE[index]

@@ -9,7 +9,7 @@
 -- Returns {status, in_flight}: status 'registered' | 'exists' | 'full'; in_flight counts
 -- holders + waiters after the call (ghosts left out of 'full' and 'registered').
 
-use_key()
+use_key(KEYS, ARGV)
 local run_id = ARGV[3]
 local now = tonumber(ARGV[4])
 local limit = tonumber(ARGV[6])

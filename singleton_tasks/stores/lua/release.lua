@@ -9,7 +9,7 @@
 -- Returns {released 1/0, lost 1/0, wakes, evicted}: wakes a list of
 -- {run_id, generation, payload or false}; evicted a list of run ids.
 
-use_key()
+use_key(KEYS, ARGV)
 local run_id = ARGV[3]
 local now = tonumber(ARGV[4])
 local token = opt_number(ARGV[5])

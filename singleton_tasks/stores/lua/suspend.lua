@@ -5,7 +5,7 @@
 -- ARGV[4] now     ARGV[5] token ARGV[6] delay (seconds until the retry)
 -- Returns 1 if the run holds its slot with that token (lease now covers the delay), else 0.
 
-use_key()
+use_key(KEYS, ARGV)
 local run = load_run(ARGV[3])
 local now = tonumber(ARGV[4])
 if run == nil or run.state ~= 'holding' or run.token ~= tonumber(ARGV[5]) then

@@ -5,7 +5,7 @@
 -- ARGV[1] scope   ARGV[2] key   ARGV[3] run id
 -- Returns 1 if the registration was removed, else 0.
 
-use_key()
+use_key(KEYS, ARGV)
 local run = load_brief(ARGV[3])
 if run == nil or run.state ~= 'pending' then
   return 0
