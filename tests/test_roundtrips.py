@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import socket
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -262,3 +263,36 @@ def test_a_function_call_forgets_what_the_previous_calls_saw(redis_url: str) -> 
     finally:
         with_functions.close()
         by_evalsha.close()
+
+
+def test_processes_loading_the_library_at_once_all_go_on(redis_url: str) -> None:
+    """Workers starting together on a fresh server all find the library missing and all load it:
+    those that lose the race (the library already exists) call it like the winner."""
+    admin = redis.Redis.from_url(redis_url)
+    admin.function_flush()
+    admin.close()
+    stores = [store_from_url(redis_url, namespace=f"rt{uuid.uuid4().hex[:10]}") for _ in range(4)]
+    try:
+        barrier = threading.Barrier(len(stores))
+        original = redis.Redis.function_load
+
+        def load_together(client: Any, code: str, replace: bool = False) -> Any:
+            barrier.wait(timeout=10)  # every store has seen "Function not found" by now
+            return original(client, code, replace)
+
+        outcomes: list[Any] = []
+
+        def register(store: Store) -> None:
+            outcomes.append(store.register(RunSpec("s", "k", "r"), now=1.0))
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(redis.Redis, "function_load", load_together)
+            threads = [threading.Thread(target=register, args=(store,)) for store in stores]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(timeout=30)
+        assert [o.status for o in outcomes] == [Registered.REGISTERED] * len(stores), outcomes
+    finally:
+        for store in stores:
+            store.close()
