@@ -85,6 +85,14 @@ class BareRoundTrips:
         self._pool.disconnect()
 
 
+def ratio_to_floor(results: dict[str, list[float]]) -> tuple[float, str]:
+    """The subject's median over plain's, and the target's measured text with the floor beside it."""
+    plain = statistics.median(results["plain"])
+    ratio = statistics.median(results["singleton"]) / plain
+    floor = statistics.median(results["floor"]) / plain
+    return ratio, f"{ratio:.2f}× (2 bare round trips alone: {floor:.2f}×)"
+
+
 def flush_redis(url: str) -> None:
     client = redis.Redis.from_url(url)
     try:

@@ -125,6 +125,11 @@ def commands_sent(url: str, action: Callable[[], Any]) -> tuple[Any, list[str], 
     return result, sent, {name: n for name, n in deltas.items() if n}
 
 
+def verbs(sent: list[str]) -> list[str]:
+    """The command names of what was sent, in order."""
+    return [command.split()[0].upper() for command in sent]
+
+
 def assert_one_call(call: str, sent: list[str], deltas: dict[str, int], what: str = "") -> None:
     """Exactly one command was sent, the script call ``call`` (FCALL or EVALSHA), and nothing loaded."""
     assert len(sent) == 1 and sent[0].upper().startswith(call), (what, sent)
@@ -211,7 +216,7 @@ def test_a_flushed_server_gets_its_scripts_again_and_the_call_runs_once(
     # Registered exactly once: a call that ran twice would answer EXISTS the second time.
     assert outcome.status is Registered.REGISTERED, outcome
     load = "FUNCTION" if call == "FCALL" else "SCRIPT"
-    assert [c.split()[0].upper() for c in sent][-2:] == [load, call], sent
+    assert verbs(sent)[-2:] == [load, call], sent
     [snap] = store.snapshot(now=1.0, scope="s", key="flushed")
     assert [w.run_id for w in snap.waiters] == ["r1"]
     outcome, sent, deltas = commands_sent(redis_url, lambda: store.claim(spec, 0, None, now=2.0))
@@ -219,7 +224,7 @@ def test_a_flushed_server_gets_its_scripts_again_and_the_call_runs_once(
     if call == "FCALL":  # one load brought every operation back
         assert_one_call(call, sent, deltas)
     else:  # scripts come back one by one
-        assert [c.split()[0].upper() for c in sent][-2:] == ["SCRIPT", "EVALSHA"], sent
+        assert verbs(sent)[-2:] == ["SCRIPT", "EVALSHA"], sent
 
 
 @pytest.mark.parametrize("denied", [["-fcall", "-function"], ["-function"]], ids=["no-fcall", "no-load"])

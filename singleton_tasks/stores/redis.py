@@ -256,8 +256,9 @@ class RedisStore(Store):
         super().__init__(url, namespace=namespace, timings=timings)
         if not isinstance(functions, bool):
             raise SingletonConfigError(f"{self!r}: functions must be True or False, got {functions!r}")
-        # None: not known yet whether the server serves functions (found out at the first call).
-        self._functions: bool | None = None if functions else False
+        # Cleared at the first call that finds the server or the user without functions.
+        self._functions = functions
+        self._function_names = _function_library()[1]
         if redis_options.get("decode_responses"):
             raise SingletonConfigError(f"{self!r}: decode_responses is not supported (payloads are bytes)")
         try:
@@ -318,15 +319,16 @@ class RedisStore(Store):
         """
         try:
             client = self._thread_client()
-            if self._functions is not False:
-                function = _function_library()[1][name]
+            if self._functions:
+                function = self._function_names[name]
                 try:
                     return _call_script(client, b"FCALL", function, numkeys, keys_and_args)
                 except redis.exceptions.ResponseError as error:
-                    if not (_no_functions(error) or _function_missing(error)):
+                    if _function_missing(error):
+                        if self._load_library(client):
+                            return _call_script(client, b"FCALL", function, numkeys, keys_and_args)
+                    elif not _no_functions(error):
                         raise
-                    if not _no_functions(error) and self._load_library(client):
-                        return _call_script(client, b"FCALL", function, numkeys, keys_and_args)
                     self._functions = False
             script = self._scripts[name]
             try:
@@ -346,7 +348,6 @@ class RedisStore(Store):
                 return False
             if "already exists" not in str(error):  # another process loaded it first
                 raise
-        self._functions = True
         return True
 
     def _thread_client(self) -> redis.Redis:
