@@ -374,9 +374,13 @@ def test_each_thread_pins_its_own_connection_and_returns_it(namespace: str) -> N
     store.register(RunSpec("s", "main", "main"), now=1.0)
     ids = {"main": store._thread_client().client_id()}
 
+    both_running = threading.Barrier(2)
+
     def operate(name: str) -> None:
         store.register(RunSpec("s", name, name), now=1.0)
         ids[name] = store._thread_client().client_id()
+        # A thread that ended first would hand its connection back for the other to reuse.
+        both_running.wait(10)
 
     threads = [threading.Thread(target=operate, args=(f"t{i}",)) for i in range(2)]
     for thread in threads:
