@@ -241,6 +241,23 @@ def confirm(tx: KeyTransaction, run_id: str) -> bool:
     return True
 
 
+def park(tx: KeyTransaction, scope: str, key: str, run_id: str, payload: bytes, *, now: float) -> list[Wake]:
+    """A registration published held back (delayed at enqueue) waits gated with its payload.
+
+    It is then woken like a deferred delivery; its held-back copy stays live as the fallback.
+    Only a pending run is parked: one already delivered is left to its delivery. Returns the
+    wakes, which include the run itself if a slot freed since it registered.
+    """
+    run = tx.get_run(run_id)
+    if run is None or run.state is not RunState.PENDING:
+        return []
+    run.confirmed = True
+    run.payload = payload
+    run.state = RunState.GATED
+    tx.save_run(run)
+    return _wakes(tx, tx.meta() or KeyMeta(), scope, key, now, skip=None)
+
+
 def unregister(tx: KeyTransaction, run_id: str) -> bool:
     """Undo a registration whose publish failed; holders and delivered runs are left alone."""
     run = tx.get_run(run_id)

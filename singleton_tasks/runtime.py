@@ -29,6 +29,7 @@ from .outcomes import (
     RegisterOutcome,
     ReleaseOutcome,
     RunSpec,
+    Wake,
 )
 from .stores import Store, store_from_url
 
@@ -180,6 +181,12 @@ class Gatekeeper:
 
     def unregister(self, spec: RunSpec) -> None:
         self.store.unregister(spec.scope, spec.key, spec.run_id, now=clock.now())
+
+    def park(self, task_name: str, spec: RunSpec, payload: bytes) -> tuple[Wake, ...]:
+        """A run published held back waits gated with ``payload``; the caller publishes the wakes."""
+        wakes = self.store.park(spec.scope, spec.key, spec.run_id, payload, now=clock.now())
+        metrics.observe_woken(task_name, len(wakes))
+        return wakes
 
     def claim(
         self,

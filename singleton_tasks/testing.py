@@ -449,6 +449,75 @@ class StoreContract:
         again = admitted(store, w, winner, T0 + 9)
         assert again > w_token
 
+    @pytest.mark.parametrize("first", ["woken", "held back"])
+    def test_a_parked_registration_is_woken_and_runs_once(
+        self, store_factory: StoreFactory, first: str
+    ) -> None:
+        # A run published held back (delayed at enqueue, never delivered) waits gated with its
+        # payload: a release wakes it like a deferred delivery, and its held-back copy stays
+        # live as the fallback, so whichever copy comes first runs it, once.
+        store = store_factory()
+        h, w, x = spec("h"), spec("w"), spec("x")
+        for i, run in enumerate((h, w, x)):
+            registered(store, run, T0 + i)
+        token = admitted(store, h, 0, T0 + 3)
+        payload = b"\x00w\xff held back"
+        assert store.park(SCOPE, KEY, "w", payload, now=T0 + 4) == ()
+        assert store.park(SCOPE, KEY, "x", b"x", now=T0 + 4) == ()
+        snap = one_key(store, T0 + 4)
+        assert snap is not None and [(v.run_id, v.state) for v in snap.waiters] == [
+            ("w", RunState.GATED),
+            ("x", RunState.GATED),
+        ]
+        wake = the_wake(store.release(SCOPE, KEY, "h", token=token, now=T0 + 5).wakes, "w")
+        assert wake.payload == payload and wake.generation != 0
+        winner, loser = (wake.generation, 0) if first == "woken" else (0, wake.generation)
+        w_token = admitted(store, w, winner, T0 + 6)
+        stale(store, w, loser, T0 + 7)
+        # x keeps its place behind w and is woken in turn with its own payload.
+        release = store.release(SCOPE, KEY, "w", token=w_token, now=T0 + 8)
+        assert the_wake(release.wakes, "x").payload == b"x"
+
+    def test_a_parked_registration_that_owns_a_free_slot_wakes_itself(
+        self, store_factory: StoreFactory
+    ) -> None:
+        # The holder settled between the registration and the park: nobody else would wake it.
+        store = store_factory()
+        h, w = spec("h"), spec("w")
+        registered(store, h, T0)
+        registered(store, w, T0 + 1, confirmed=False)
+        token = admitted(store, h, 0, T0 + 2)
+        release = store.release(SCOPE, KEY, "h", token=token, now=T0 + 3)
+        assert release.released and release.wakes == ()  # w is pending: its own copy will come
+        wake = the_wake(store.park(SCOPE, KEY, "w", b"w", now=T0 + 4), "w")
+        assert wake.payload == b"w"
+        admitted(store, w, wake.generation, T0 + 5)
+        # Parking confirmed it: it is no ghost once the grace has passed.
+        assert holders(store, T0 + 600) == ["w"]
+
+    def test_only_a_pending_registration_is_parked(self, store_factory: StoreFactory) -> None:
+        store = store_factory()
+        h, w = spec("h"), spec("w")
+        registered(store, h, T0)
+        registered(store, w, T0 + 1)
+        token = admitted(store, h, 0, T0 + 2)
+        assert store.park(SCOPE, KEY, "h", b"h", now=T0 + 3) == ()  # a holder
+        assert holders(store, T0 + 3) == ["h"]
+        deferred = gated(store, w, 0, T0 + 3, b"delivered", position=1).generation
+        assert store.park(SCOPE, KEY, "w", b"parked", now=T0 + 4) == ()  # delivered already
+        assert store.park(SCOPE, KEY, "nobody", b"n", now=T0 + 4) == ()
+        wake = the_wake(store.release(SCOPE, KEY, "h", token=token, now=T0 + 5).wakes, "w")
+        assert wake.payload == b"delivered"
+        assert deferred is not None
+        stale(store, w, 0, T0 + 6)
+        assert waiters(store, T0 + 6) == ["w"]
+        # A failed publish is undone before any park: the park then finds nothing to park.
+        x = spec("x")
+        registered(store, x, T0 + 7)
+        assert store.unregister(SCOPE, KEY, "x", now=T0 + 8)
+        assert store.park(SCOPE, KEY, "x", b"x", now=T0 + 9) == ()
+        assert waiters(store, T0 + 9) == ["w"]
+
     def test_stale_copies_dropped_and_redriven_copy_queues(self, store_factory: StoreFactory) -> None:
         store = store_factory()
         h, w, x = spec("h"), spec("w"), spec("x")

@@ -190,6 +190,14 @@ class Model:
         k.remove(run_id)
         return True
 
+    def park(self, key: str, run_id: str, payload: bytes, now: float) -> tuple[Wake, ...]:
+        k = self.key(key)
+        run = k.find(run_id)
+        if run is None or run.state is not RunState.PENDING:
+            return ()
+        run.confirmed, run.payload, run.state = True, payload, RunState.GATED
+        return tuple(self.wakes(key, k, now, None))
+
     def claim(self, spec: RunSpec, generation: int, payload: bytes | None, now: float) -> ClaimOutcome:
         k = self.key(spec.key)
         k.limit = spec.limit
@@ -505,6 +513,19 @@ class GateMachine(RuleBasedStateMachine):
         run_id = self.run_id(key, number)
         got = self.store.confirm(self.scope, key, run_id, now=self.now)
         self.agree(f"confirm {run_id}", got, self.model.confirm(key, run_id))
+
+    @rule(key=key_names, number=run_numbers)
+    def park(self, key: str, number: int) -> None:
+        """A producer published the run held back (delayed) and parks it with its payload."""
+        run_id = self.run_id(key, number)
+        self.step += 1
+        payload = f"{run_id}@{self.step} parked\0".encode()
+        got = self.store.park(self.scope, key, run_id, payload, now=self.now)
+        self.agree(f"park {run_id}", got, self.model.park(key, run_id, payload, self.now))
+        event(f"park wakes={len(got)}")
+        for wake in got:
+            self.generations.setdefault((wake.key, wake.run_id), set()).add(wake.generation)
+            self.latest[(wake.key, wake.run_id)] = wake.generation
 
     @rule(key=key_names, number=run_numbers)
     def unregister(self, key: str, number: int) -> None:

@@ -145,6 +145,7 @@ class _Differential:
                 "register",
                 "confirm",
                 "unregister",
+                "park",
                 "claim",
                 "claim",
                 "claim",
@@ -167,6 +168,8 @@ class _Differential:
                 results.append(store.confirm(*key, run, now=now))
             elif op == "unregister":
                 results.append(store.unregister(*key, run, now=now))
+            elif op == "park":
+                results.append(store.park(*key, run, b"\x00\xff parked " + run.encode(), now=now))
             elif op == "claim":
                 generation = rng.choice([*sorted(self.generations[run])[-3:], rng.randrange(0, 12)])
                 payload = rng.choice([None, b"", b"\x00\xff payload " + run.encode()])
@@ -199,9 +202,11 @@ class _Differential:
                 self.generations[run].add(outcome.generation)
             if outcome.token is not None:
                 self.tokens[run].add(outcome.token)
-        if isinstance(outcome, (ClaimOutcome, ReleaseOutcome)):
-            for wake in outcome.wakes:
-                self.generations[wake.run_id].add(wake.generation)
+        wakes = outcome.wakes if isinstance(outcome, (ClaimOutcome, ReleaseOutcome)) else ()
+        if isinstance(outcome, tuple):  # park
+            wakes = outcome
+        for wake in wakes:
+            self.generations[wake.run_id].add(wake.generation)
 
 
 def _coverage(op: str, outcome: Any) -> set[str]:

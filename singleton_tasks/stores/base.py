@@ -22,6 +22,7 @@ from ..outcomes import (
     RunSpec,
     RunState,
     WaiterView,
+    Wake,
 )
 
 SCHEMA_VERSION = 1
@@ -82,6 +83,10 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def unregister(self, scope: str, key: str, run_id: str, *, now: float) -> bool:
         """Undo a registration whose message could not be published."""
+
+    @abc.abstractmethod
+    def park(self, scope: str, key: str, run_id: str, payload: bytes, *, now: float) -> tuple[Wake, ...]:
+        """A registration published held back waits gated with ``payload``; returns the wakes."""
 
     @abc.abstractmethod
     def claim(
@@ -161,6 +166,10 @@ class RuleStore(Store):
     def unregister(self, scope: str, key: str, run_id: str, *, now: float) -> bool:
         with self.transaction(scope, key) as tx:
             return gate.unregister(tx, run_id)
+
+    def park(self, scope: str, key: str, run_id: str, payload: bytes, *, now: float) -> tuple[Wake, ...]:
+        with self.transaction(scope, key) as tx:
+            return tuple(gate.park(tx, scope, key, run_id, payload, now=now))
 
     def claim(
         self, spec: RunSpec, generation: int, payload: bytes | None = None, *, now: float

@@ -43,7 +43,17 @@ from ..outcomes import (
 )
 from .base import SCHEMA_VERSION, Store, snapshot_of
 
-_OPERATIONS = ("register", "confirm", "unregister", "claim", "suspend", "heartbeat", "release", "snapshot")
+_OPERATIONS = (
+    "register",
+    "confirm",
+    "unregister",
+    "park",
+    "claim",
+    "suspend",
+    "heartbeat",
+    "release",
+    "snapshot",
+)
 _GLOB_SPECIAL = re.compile(rb"([*?\[\]\\])")
 _TAG_PATTERN = b"{" + b"[0-9a-f]" * 40 + b"}"
 
@@ -408,6 +418,9 @@ class RedisStore(Store):
 
     def unregister(self, scope: str, key: str, run_id: str, *, now: float) -> bool:
         return bool(self._key_op("unregister", scope, key, run_id))
+
+    def park(self, scope: str, key: str, run_id: str, payload: bytes, *, now: float) -> tuple[Wake, ...]:
+        return _wakes(scope, key, self._key_op("park", scope, key, run_id, _time(now), bytes(payload)))
 
     def claim(
         self, spec: RunSpec, generation: int, payload: bytes | None = None, *, now: float
