@@ -238,9 +238,9 @@ class SingletonTask(Task):  # type: ignore[misc]
     ) -> Any:
         bound = self._singleton_binding()
 
-        def publish(run_id: str | None) -> Any:
+        def publish(run_id: str | None, **extra: Any) -> Any:
             return super(SingletonTask, self).apply_async(
-                args, kwargs, run_id, producer, link, link_error, shadow, **options
+                args, kwargs, run_id, producer, link, link_error, shadow, **options, **extra
             )
 
         if bound is None or _republishing.get() or self._get_app().conf.task_always_eager:
@@ -270,11 +270,25 @@ class SingletonTask(Task):  # type: ignore[misc]
         if outcome.status is Registered.EXISTS:
             logger.info("%s run %s is already registered: not published again (SPEC §7)", self.name, run_id)
             return self.AsyncResult(run_id)
+        # A run with `limit` others of its key ahead can only wait: publish it held back, as its
+        # deferral would be, so no worker claims and defers it first (the line ahead of a wake).
+        payload = None
+        if outcome.in_flight > spec.limit and "countdown" not in options and "eta" not in options:
+            payload = _payload_for(self, args, kwargs, run_id, link, link_error, shadow, options)
         try:
-            return publish(run_id)
+            if payload is None:
+                return publish(run_id)
+            delay = gatekeeper.deferral_delay(outcome.in_flight - spec.limit, spec.limit)
+            result = publish(run_id, countdown=delay)
         except BaseException:
             _undo_registration(gatekeeper, spec, self.name)
             raise
+        try:
+            _publish_wakes(self._get_app(), gatekeeper.park(self.name, spec, payload))
+        except StoreUnavailableError:
+            # Still pending: its held-back copy claims at its countdown (published; not lost).
+            logger.warning("store unavailable: %s run %s waits for its countdown", self.name, run_id)
+        return result
 
     # -- gate (SPEC §3.2–§3.3, §4) ---------------------------------------------------------
     def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
@@ -519,6 +533,32 @@ def _payload_of(task: SingletonTask, request: Any) -> bytes | None:
         return data.encode()
     except Exception:  # an argument JSON cannot carry: the retry timer wakes it instead
         logger.debug("%s run %s cannot be woken by a release", task.name, request.id, exc_info=True)
+        return None
+
+
+def _payload_for(
+    task: SingletonTask,
+    args: Any,
+    kwargs: Any,
+    run_id: str,
+    link: Any,
+    link_error: Any,
+    shadow: Any,
+    options: Mapping[str, Any],
+) -> bytes | None:
+    """The run about to be published, as ``_payload_of`` would give it once delivered."""
+    try:
+        given = {"link": link, "link_error": link_error, "shadow": shadow}
+        signature_options = {**options, **{k: v for k, v in given.items() if v is not None}}
+        signature_options["task_id"] = run_id
+        signature_options["headers"] = {
+            k: v for k, v in (options.get("headers") or {}).items() if k != GENERATION_HEADER
+        }
+        signature = task.signature(args, kwargs, **signature_options)
+        data: str = _json.dumps(dict(signature))
+        return data.encode()
+    except Exception:  # an argument or option JSON cannot carry: published at once instead
+        logger.debug("%s run %s cannot be held back", task.name, run_id, exc_info=True)
         return None
 
 

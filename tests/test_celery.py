@@ -40,7 +40,7 @@ from singleton_tasks import (
     store_from_url,
 )
 from singleton_tasks.celery import GENERATION_HEADER, SingletonTask, gatekeeper_for, install
-from singleton_tasks.outcomes import RegisterOutcome, RunSpec
+from singleton_tasks.outcomes import RegisterOutcome, RunSpec, RunState
 from singleton_tasks.stores import Store
 from singleton_tasks.stores.memory import MemoryStore
 from singleton_tasks.testing import require_executable
@@ -307,6 +307,42 @@ def test_release_wakes_the_next_waiter_long_before_the_retry_delay(store: Store,
     elapsed = time.monotonic() - started
     assert elapsed < 10, f"a 10-run burst took {elapsed:.1f}s: the handoffs waited for the 30 s timer"
     assert journal.overlaps == [] and journal.labels() == [f"r{i}" for i in range(10)]
+
+
+def test_a_run_that_can_only_wait_is_published_held_back_and_woken_by_the_release(
+    store: Store, journal: Journal, caplog: pytest.LogCaptureFixture
+) -> None:
+    # B and C are enqueued behind A: each is published with its deferral's countdown (30 s
+    # here) and parked in the store, so no worker claims and defers them first; the release
+    # chain wakes them, far sooner than the countdown.
+    app = make_app(store, retry_delay=30.0, max_retry_delay=30.0)
+    release_a = threading.Event()
+
+    @app.task(base=SingletonTask, singleton={"key": "line"}, name=unique(), shared=False)
+    def job(label: str) -> str:
+        with journal.body(label, "line"):
+            if label == "A":
+                assert release_a.wait(10)
+        return label
+
+    results = [job.delay(label) for label in "ABC"]
+    snap = store.snapshot(now=time.time())[0]
+    assert [(w.run_id, w.state) for w in snap.waiters] == [
+        (results[0].id, RunState.PENDING),  # first in line: published at once
+        (results[1].id, RunState.GATED),  # parked with its payload
+        (results[2].id, RunState.GATED),
+    ]
+    caplog.set_level(logging.DEBUG, logger="singleton_tasks")
+    started = time.monotonic()
+    with worker(app, concurrency=4):
+        wait_for(lambda: bool(journal.get("A")), what="A to start")
+        release_a.set()
+        assert [r.get(interval=0.01, timeout=15) for r in results] == ["A", "B", "C"]
+    elapsed = time.monotonic() - started
+    assert elapsed < 15, f"took {elapsed:.1f}s: the held-back copies waited for their 30 s countdown"
+    assert journal.overlaps == [] and journal.labels() == ["A", "B", "C"]
+    decisions = [r.getMessage() for r in caplog.records if " key 'line' gen " in r.getMessage()]
+    assert not [d for d in decisions if d.endswith("gated") or "gated (position" in d], decisions
 
 
 # -- retries keep the slot (SPEC §3.4) ---------------------------------------------------------

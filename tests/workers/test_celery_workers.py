@@ -150,6 +150,17 @@ class Workers:
             what=f"every worker to flag {task_id} as revoked",
         )
 
+    def wait_gated(self, key: str, run_id: str) -> None:
+        """Until ``run_id`` waits gated: published held back, or delivered and deferred."""
+        self.wait(
+            lambda: any(
+                w.run_id == run_id and w.state is RunState.GATED
+                for snap in self.snapshot("workers.record", key)
+                for w in snap.waiters
+            ),
+            what=f"{run_id} to wait gated",
+        )
+
     def wait(self, predicate: Callable[[], bool], *, timeout: float = 25, what: str = "condition") -> None:
         deadline = time.monotonic() + timeout
         while not predicate():  # bounded wait for other processes
@@ -366,7 +377,7 @@ def test_revoking_a_waiter_skips_it_and_the_key_moves_on(shared: Workers) -> Non
     workers.wait(lambda: workers.started(key) == ["holder"], what="the holder to start")
     revoked = workers.record.delay(key, "revoked", 0.0)
     after = workers.record.delay(key, "after", 0.0)
-    workers.wait(lambda: bool(workers.deliveries(revoked.id)), what="the waiter's first delivery")
+    workers.wait_gated(key, revoked.id)
     revoked.revoke()
     workers.wait_revoked(revoked.id)
     workers.go(go)  # the holder's release wakes the revoked waiter: discarded, its settlement wakes the next
@@ -383,7 +394,7 @@ def test_revoking_a_running_holder_lets_it_finish_then_the_key_moves_on(shared: 
     holder = workers.record.delay(key, "holder", 0.0, until=go)
     workers.wait(lambda: workers.started(key) == ["holder"], what="the holder to start")
     waiter = workers.record.delay(key, "waiter", 0.0)
-    workers.wait(lambda: bool(workers.deliveries(waiter.id)), what="the waiter's first delivery")
+    workers.wait_gated(key, waiter.id)
     holder.revoke()  # without terminate: Celery lets a started task run to its end
     workers.wait_revoked(holder.id)
     assert workers.runs(key) == []
@@ -403,7 +414,7 @@ def test_a_task_id_started_twice_publishes_once(shared: Workers) -> None:
     first = workers.record.apply_async((key, "first", 0.0), {"until": go}, task_id=held)
     workers.wait(lambda: workers.started(key) == ["first"], what="the holder to start")
     second = workers.record.apply_async((key, "second", 0.0), task_id=waiting)
-    workers.wait(lambda: bool(workers.deliveries(waiting)), what="the waiter's first delivery")
+    workers.wait_gated(key, waiting)
     assert workers.record.apply_async((key, "dup", 0.0), task_id=held).id == held
     assert workers.record.apply_async((key, "dup", 0.0), task_id=waiting).id == waiting
     assert workers.stored("workers.record", key) == {held, waiting}
