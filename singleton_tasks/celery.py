@@ -285,9 +285,11 @@ class SingletonTask(Task):  # type: ignore[misc]
             raise
         try:
             _publish_wakes(self._get_app(), gatekeeper.park(self.name, spec, payload))
-        except StoreUnavailableError:
-            # Still pending: its held-back copy claims at its countdown (published; not lost).
-            logger.warning("store unavailable: %s run %s waits for its countdown", self.name, run_id)
+        except Exception:
+            # Published all the same: its held-back copy claims at its countdown, as a deferral.
+            logger.warning(
+                "could not park %s run %s: it waits for its countdown", self.name, run_id, exc_info=True
+            )
         return result
 
     # -- gate (SPEC §3.2–§3.3, §4) ---------------------------------------------------------

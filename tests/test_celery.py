@@ -40,7 +40,7 @@ from singleton_tasks import (
     store_from_url,
 )
 from singleton_tasks.celery import GENERATION_HEADER, SingletonTask, gatekeeper_for, install
-from singleton_tasks.outcomes import RegisterOutcome, RunSpec, RunState
+from singleton_tasks.outcomes import RegisterOutcome, RunSpec, RunState, Wake
 from singleton_tasks.stores import Store
 from singleton_tasks.stores.memory import MemoryStore
 from singleton_tasks.testing import require_executable
@@ -1083,3 +1083,41 @@ def test_a_registration_whose_reply_was_lost_is_undone(journal: Journal) -> None
     with worker(app):
         assert later.get(interval=0.01, timeout=10) == "later"
     assert journal.labels() == ["later"]
+
+
+class _ParkFails(MemoryStore):
+    """A real memory store whose park fails like an outage."""
+
+    def park(self, scope: str, key: str, run_id: str, payload: bytes, *, now: float) -> tuple[Wake, ...]:
+        raise StoreUnavailableError("store down at the park")
+
+
+def test_a_run_whose_park_fails_is_published_and_runs_after_its_countdown(journal: Journal) -> None:
+    store = _ParkFails(f"memory://{unique()}")
+    app = make_app(store)
+
+    @app.task(base=SingletonTask, singleton={"key": "k"}, name=unique(), shared=False)
+    def job(label: str) -> str:
+        with journal.body(label, "k"):
+            return label
+
+    first, second = job.delay("first"), job.delay("second")  # no error: second was published
+    assert queued(app) == 2
+    assert [w.state for w in store.snapshot(now=time.time())[0].waiters] == [RunState.PENDING] * 2
+    with worker(app):
+        assert [r.get(interval=0.01, timeout=10) for r in (first, second)] == ["first", "second"]
+    assert journal.labels() == ["first", "second"] and journal.overlaps == []
+
+
+def test_a_run_with_its_own_countdown_is_not_held_back(store: Store) -> None:
+    app = make_app(store)
+
+    @app.task(base=SingletonTask, singleton={"key": "k"}, name=unique(), shared=False)
+    def job(label: str) -> str:
+        return label
+
+    job.delay("first")
+    own = job.apply_async(("own",), countdown=0.05)
+    held = job.delay("held")
+    states = {w.run_id: w.state for w in store.snapshot(now=time.time())[0].waiters}
+    assert states[own.id] is RunState.PENDING and states[held.id] is RunState.GATED
