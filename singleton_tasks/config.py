@@ -119,6 +119,16 @@ class BoundSingleton:
     config: SingletonConfig
     scope: str
     signature: inspect.Signature | None
+    # (name, default) of each parameter if all are plain positional-or-keyword ones, else None:
+    # positional arguments then bind by zipping (Signature.bind costs more than the rest of
+    # the key derivation, on every delivery).
+    _plain: tuple[tuple[str, Any], ...] | None = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        params = () if self.signature is None else self.signature.parameters.values()
+        plain = all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params)
+        value = tuple((p.name, p.default) for p in params) if plain and self.signature else None
+        object.__setattr__(self, "_plain", value)
 
     @classmethod
     def bind(
@@ -168,6 +178,15 @@ class BoundSingleton:
     def _bound_arguments(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
         if self.signature is None:
             return dict(kwargs)
+        plain = self._plain
+        if plain is not None and not kwargs and len(args) <= len(plain):
+            arguments = {name: value for (name, _), value in zip(plain, args, strict=False)}
+            for name, default in plain[len(args) :]:
+                if default is inspect.Parameter.empty:
+                    break  # a missing argument: bind below raises Signature's own TypeError
+                arguments[name] = default
+            else:
+                return arguments
         bound = self.signature.bind(*args, **kwargs)
         bound.apply_defaults()
         arguments = dict(bound.arguments)

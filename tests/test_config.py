@@ -333,3 +333,43 @@ def test_queue_full_error_carries_its_facts_and_pickles() -> None:
         assert str(copy) == str(error)
     sub = AdapterQueueFull(task_name="t", scope="s", key="k", limit=2, max_queue_depth=None)
     assert pickle.loads(pickle.dumps(sub)).max_queue_depth is None
+
+
+def _plain(a: Any, b: Any = "B", c: Any = None) -> None: ...
+
+
+def _keyword_only(a: Any, *, b: Any = "B") -> None: ...
+
+
+def _var(a: Any, *rest: Any, **more: Any) -> None: ...
+
+
+@pytest.mark.parametrize("fn", [_plain, _keyword_only, _var])
+@pytest.mark.parametrize(
+    ("args", "kwargs"),
+    [
+        ((), {}),
+        ((1,), {}),
+        ((1, 2), {}),
+        ((1, 2, 3), {}),
+        ((1, 2, 3, 4), {}),
+        ((1,), {"c": 3}),
+        ((), {"a": 1}),
+    ],
+)
+def test_key_arguments_bind_as_signature_bind_does(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    # Plain signatures take a faster path than Signature.bind: same mapping, same errors.
+    signature = inspect.signature(fn)
+    bound = BoundSingleton.bind(SingletonConfig(key="{a}"), task_name="t", signature=signature)
+    try:
+        reference = signature.bind(*args, **kwargs)
+    except TypeError as error:
+        with pytest.raises(TypeError, match=str(error).split("'")[0]):
+            bound._bound_arguments(args, kwargs)
+        return
+    reference.apply_defaults()
+    expected = dict(reference.arguments)
+    expected.update(expected.pop("more", {}))
+    assert bound._bound_arguments(args, kwargs) == expected
