@@ -81,6 +81,15 @@ class SingletonMetrics:
             buckets=HANDOFF_BUCKETS,
             registry=reg,
         )
+        self._children: dict[tuple[int, str], Any] = {}
+
+    def of(self, metric: Any, task: str) -> Any:
+        """``metric.labels(task)``, looked up once per task (labels() validates and locks each call)."""
+        key = (id(metric), task)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(task)
+        return child
 
 
 _lock = threading.Lock()
@@ -149,48 +158,48 @@ def observe_admitted(
     metrics = active()
     if metrics is None:
         return
-    metrics.admitted.labels(task).inc()
+    metrics.of(metrics.admitted, task).inc()
     if takeover:
-        metrics.taken_over.labels(task).inc()
+        metrics.of(metrics.taken_over, task).inc()
     if now is not None and registered_at is not None:
-        metrics.wait_time.labels(task).observe(max(0.0, now - registered_at))
+        metrics.of(metrics.wait_time, task).observe(max(0.0, now - registered_at))
     if now is not None and woken_at is not None:
-        metrics.handoff.labels(task).observe(max(0.0, now - woken_at))
+        metrics.of(metrics.handoff, task).observe(max(0.0, now - woken_at))
 
 
 def observe_gated(task: str) -> None:
     """A delivery was denied and deferred (its key has no free slot for it)."""
     metrics = active()
     if metrics is not None:
-        metrics.gated.labels(task).inc()
+        metrics.of(metrics.gated, task).inc()
 
 
 def observe_woken(task: str, count: int = 1) -> None:
     """``count`` wake copies were published (``task``: the woken message's task)."""
     metrics = active()
     if metrics is not None and count > 0:
-        metrics.woken.labels(task).inc(count)
+        metrics.of(metrics.woken, task).inc(count)
 
 
 def observe_released(task: str) -> None:
     """A run settled and freed its slot or its place in line."""
     metrics = active()
     if metrics is not None:
-        metrics.released.labels(task).inc()
+        metrics.of(metrics.released, task).inc()
 
 
 def observe_rejected(task: str) -> None:
     """An enqueue was refused with ``SingletonQueueFullError``."""
     metrics = active()
     if metrics is not None:
-        metrics.rejected.labels(task).inc()
+        metrics.of(metrics.rejected, task).inc()
 
 
 def observe_evicted(task: str, count: int = 1) -> None:
     """``count`` orphaned holders were evicted by a store call made for ``task``."""
     metrics = active()
     if metrics is not None and count > 0:
-        metrics.evicted.labels(task).inc(count)
+        metrics.of(metrics.evicted, task).inc(count)
 
 
 def observe_claim(
