@@ -274,12 +274,17 @@ class SingletonTask(Task):  # type: ignore[misc]
         # deferral would be, so no worker claims and defers it first (the line ahead of a wake).
         payload = None
         if outcome.in_flight > spec.limit and "countdown" not in options and "eta" not in options:
-            payload = _payload_for(self, args, kwargs, run_id, link, link_error, shadow, options)
+            payload = _encoded_payload(
+                self,
+                run_id,
+                lambda: _signature_for(self, args, kwargs, run_id, link, link_error, shadow, options),
+            )
         try:
             if payload is None:
                 return publish(run_id)
-            delay = gatekeeper.deferral_delay(outcome.in_flight - spec.limit, spec.limit)
-            result = publish(run_id, countdown=delay)
+            result = publish(
+                run_id, countdown=gatekeeper.deferral_delay(outcome.in_flight - spec.limit, spec.limit)
+            )
         except BaseException:
             _undo_registration(gatekeeper, spec, self.name)
             raise
@@ -524,21 +529,16 @@ def _woken_at(request: Any) -> float | None:
 
 def _payload_of(task: SingletonTask, request: Any) -> bytes | None:
     """The delivery as a signature, so any process can re-publish it when it is woken."""
-    try:
-        signature = task.signature_from_request(request, retries=request.retries)
-        options = signature.options
-        options.pop("redelivered", None)
-        options["headers"] = {
-            k: v for k, v in (options.get("headers") or {}).items() if k != GENERATION_HEADER
-        }
-        data: str = _json.dumps(dict(signature))
-        return data.encode()
-    except Exception:  # an argument JSON cannot carry: the retry timer wakes it instead
-        logger.debug("%s run %s cannot be woken by a release", task.name, request.id, exc_info=True)
-        return None
+
+    def signature() -> Signature:
+        delivered = task.signature_from_request(request, retries=request.retries)
+        delivered.options.pop("redelivered", None)
+        return delivered
+
+    return _encoded_payload(task, request.id, signature)
 
 
-def _payload_for(
+def _signature_for(
     task: SingletonTask,
     args: Any,
     kwargs: Any,
@@ -547,20 +547,29 @@ def _payload_for(
     link_error: Any,
     shadow: Any,
     options: Mapping[str, Any],
-) -> bytes | None:
-    """The run about to be published, as ``_payload_of`` would give it once delivered."""
+) -> Signature:
+    """The run ``apply_async`` is about to publish, as ``_payload_of`` would see it delivered."""
+    given = {"link": link, "link_error": link_error, "shadow": shadow}
+    signature_options = {**options, **{k: v for k, v in given.items() if v is not None}}
+    return task.signature(args, kwargs, **signature_options, task_id=run_id)
+
+
+def _encoded_payload(task: SingletonTask, run_id: str, signature: Callable[[], Signature]) -> bytes | None:
+    """``signature()`` as the JSON a wake publishes (its generation header left out), or None.
+
+    None when an argument or option JSON cannot carry: such a run is not held back at enqueue,
+    and a release cannot wake it (its retry timer does).
+    """
     try:
-        given = {"link": link, "link_error": link_error, "shadow": shadow}
-        signature_options = {**options, **{k: v for k, v in given.items() if v is not None}}
-        signature_options["task_id"] = run_id
-        signature_options["headers"] = {
+        built = signature()
+        options = built.options
+        options["headers"] = {
             k: v for k, v in (options.get("headers") or {}).items() if k != GENERATION_HEADER
         }
-        signature = task.signature(args, kwargs, **signature_options)
-        data: str = _json.dumps(dict(signature))
+        data: str = _json.dumps(dict(built))
         return data.encode()
-    except Exception:  # an argument or option JSON cannot carry: published at once instead
-        logger.debug("%s run %s cannot be held back", task.name, run_id, exc_info=True)
+    except Exception:
+        logger.debug("%s run %s has no payload for a wake", task.name, run_id, exc_info=True)
         return None
 
 

@@ -125,10 +125,11 @@ class BoundSingleton:
     _plain: tuple[tuple[str, Any], ...] | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        params = () if self.signature is None else self.signature.parameters.values()
-        plain = all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params)
-        value = tuple((p.name, p.default) for p in params) if plain and self.signature else None
-        object.__setattr__(self, "_plain", value)
+        params = list(self.signature.parameters.values()) if self.signature is not None else []
+        plain = self.signature is not None and all(
+            p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params
+        )
+        object.__setattr__(self, "_plain", tuple((p.name, p.default) for p in params) if plain else None)
 
     @classmethod
     def bind(

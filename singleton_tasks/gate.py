@@ -191,6 +191,17 @@ def _wakes(
     return wakes
 
 
+def _take_place(run: RunRecord, payload: bytes | None) -> None:
+    """A waiter whose message is known (delivered, or published held back) keeps it to be woken.
+
+    A pending one becomes gated: it takes its place in line again (SPEC §6) and is woken by a release.
+    """
+    run.confirmed = True
+    run.payload = payload
+    if run.state is RunState.PENDING:
+        run.state = RunState.GATED
+
+
 def _finish(tx: KeyTransaction, meta: KeyMeta) -> None:
     """Save the counters; an empty key keeps nothing but its token (SPEC §8)."""
     if tx.count_runs() == 0:
@@ -251,9 +262,7 @@ def park(tx: KeyTransaction, scope: str, key: str, run_id: str, payload: bytes, 
     run = tx.get_run(run_id)
     if run is None or run.state is not RunState.PENDING:
         return []
-    run.confirmed = True
-    run.payload = payload
-    run.state = RunState.GATED
+    _take_place(run, payload)
     tx.save_run(run)
     return _wakes(tx, tx.meta() or KeyMeta(), scope, key, now, skip=None)
 
@@ -314,10 +323,7 @@ def claim(
         takeover = run.executing
         return _admit(tx, meta, spec, run, generation, now, evicted, takeover=takeover)
 
-    run.confirmed = True
-    run.payload = payload
-    if run.state is RunState.PENDING:
-        run.state = RunState.GATED  # delivered: it takes its place again (SPEC §6)
+    _take_place(run, payload)
     tx.save_run(run)
     free = meta.limit - len(tx.holders())
     owners = _slot_owners(tx, free, now)

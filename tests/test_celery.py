@@ -312,20 +312,12 @@ def test_release_wakes_the_next_waiter_long_before_the_retry_delay(store: Store,
 def test_a_run_that_can_only_wait_is_published_held_back_and_woken_by_the_release(
     store: Store, journal: Journal, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # B and C are enqueued behind A: each is published with its deferral's countdown (30 s
+    # B and C are enqueued behind the holder: each is published with its deferral's countdown (30 s
     # here) and parked in the store, so no worker claims and defers them first; the release
     # chain wakes them, far sooner than the countdown.
     app = make_app(store, retry_delay=30.0, max_retry_delay=30.0)
-    release_a = threading.Event()
-
-    @app.task(base=SingletonTask, singleton={"key": "line"}, name=unique(), shared=False)
-    def job(label: str) -> str:
-        with journal.body(label, "line"):
-            if label == "A":
-                assert release_a.wait(10)
-        return label
-
-    results = [job.delay(label) for label in "ABC"]
+    job, release_holder = held_key_job(app, journal)
+    results = [job.delay(label) for label in ("holder", "B", "C")]
     snap = store.snapshot(now=time.time())[0]
     assert [(w.run_id, w.state) for w in snap.waiters] == [
         (results[0].id, RunState.PENDING),  # first in line: published at once
@@ -335,13 +327,13 @@ def test_a_run_that_can_only_wait_is_published_held_back_and_woken_by_the_releas
     caplog.set_level(logging.DEBUG, logger="singleton_tasks")
     started = time.monotonic()
     with worker(app, concurrency=4):
-        wait_for(lambda: bool(journal.get("A")), what="A to start")
-        release_a.set()
-        assert [r.get(interval=0.01, timeout=15) for r in results] == ["A", "B", "C"]
+        wait_for(lambda: bool(journal.get("holder")), what="the holder to start")
+        release_holder.set()
+        assert [r.get(interval=0.01, timeout=15) for r in results] == ["holder", "B", "C"]
     elapsed = time.monotonic() - started
     assert elapsed < 15, f"took {elapsed:.1f}s: the held-back copies waited for their 30 s countdown"
-    assert journal.overlaps == [] and journal.labels() == ["A", "B", "C"]
-    decisions = [r.getMessage() for r in caplog.records if " key 'line' gen " in r.getMessage()]
+    assert journal.overlaps == [] and journal.labels() == ["holder", "B", "C"]
+    decisions = [r.getMessage() for r in caplog.records if " key 'k' gen " in r.getMessage()]
     assert not [d for d in decisions if d.endswith("gated") or "gated (position" in d], decisions
 
 
@@ -1095,12 +1087,7 @@ class _ParkFails(MemoryStore):
 def test_a_run_whose_park_fails_is_published_and_runs_after_its_countdown(journal: Journal) -> None:
     store = _ParkFails(f"memory://{unique()}")
     app = make_app(store)
-
-    @app.task(base=SingletonTask, singleton={"key": "k"}, name=unique(), shared=False)
-    def job(label: str) -> str:
-        with journal.body(label, "k"):
-            return label
-
+    job, _ = held_key_job(app, journal)
     first, second = job.delay("first"), job.delay("second")  # no error: second was published
     assert queued(app) == 2
     assert [w.state for w in store.snapshot(now=time.time())[0].waiters] == [RunState.PENDING] * 2
@@ -1109,13 +1096,8 @@ def test_a_run_whose_park_fails_is_published_and_runs_after_its_countdown(journa
     assert journal.labels() == ["first", "second"] and journal.overlaps == []
 
 
-def test_a_run_with_its_own_countdown_is_not_held_back(store: Store) -> None:
-    app = make_app(store)
-
-    @app.task(base=SingletonTask, singleton={"key": "k"}, name=unique(), shared=False)
-    def job(label: str) -> str:
-        return label
-
+def test_a_run_with_its_own_countdown_is_not_held_back(store: Store, journal: Journal) -> None:
+    job, _ = held_key_job(make_app(store), journal)
     job.delay("first")
     own = job.apply_async(("own",), countdown=0.05)
     held = job.delay("held")

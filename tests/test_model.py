@@ -9,7 +9,7 @@ heartbeat losses — and its snapshot after every step must be identical to the 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -405,7 +405,11 @@ class GateMachine(RuleBasedStateMachine):
                 self.latest[(key, run_id)] = outcome.generation
             if outcome.token is not None:
                 self.tokens.setdefault((key, run_id), []).append(outcome.token)
-        for wake in outcome.wakes:
+        self.learn_wakes(outcome.wakes)
+
+    def learn_wakes(self, wakes: Sequence[Wake]) -> None:
+        """A wake is a copy the broker will deliver next."""
+        for wake in wakes:
             self.generations.setdefault((wake.key, wake.run_id), set()).add(wake.generation)
             self.latest[(wake.key, wake.run_id)] = wake.generation
 
@@ -523,9 +527,7 @@ class GateMachine(RuleBasedStateMachine):
         got = self.store.park(self.scope, key, run_id, payload, now=self.now)
         self.agree(f"park {run_id}", got, self.model.park(key, run_id, payload, self.now))
         event(f"park wakes={len(got)}")
-        for wake in got:
-            self.generations.setdefault((wake.key, wake.run_id), set()).add(wake.generation)
-            self.latest[(wake.key, wake.run_id)] = wake.generation
+        self.learn_wakes(got)
 
     @rule(key=key_names, number=run_numbers)
     def unregister(self, key: str, number: int) -> None:

@@ -202,9 +202,7 @@ class _Differential:
                 self.generations[run].add(outcome.generation)
             if outcome.token is not None:
                 self.tokens[run].add(outcome.token)
-        wakes = outcome.wakes if isinstance(outcome, (ClaimOutcome, ReleaseOutcome)) else ()
-        if isinstance(outcome, tuple):  # park
-            wakes = outcome
+        wakes = outcome if isinstance(outcome, tuple) else getattr(outcome, "wakes", ())  # park: the wakes
         for wake in wakes:
             self.generations[wake.run_id].add(wake.generation)
 

@@ -83,11 +83,7 @@ if run.state == 'holding' then
   return admit(run, run.executing)
 end
 
-run.confirmed = true
-run.payload = payload or nil
-if run.state == 'pending' then
-  run.state = 'gated' -- delivered: it takes its place again (SPEC §6)
-end
+take_place(run, payload or nil)
 if first_sight then
   save_run(run) -- into the line (at its back) before the slots are counted
 end

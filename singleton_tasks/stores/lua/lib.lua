@@ -472,6 +472,16 @@ local function wakes(meta, now, skip)
   return out
 end
 
+-- A waiter whose message is known (delivered, or published held back) keeps it to be woken;
+-- a pending one becomes gated: it takes its place in line again (SPEC §6). gate._take_place.
+local function take_place(run, payload)
+  run.confirmed = true
+  run.payload = payload
+  if run.state == 'pending' then
+    run.state = 'gated'
+  end
+end
+
 -- Save the counters; an empty key keeps nothing but its token (the zsets vanish when empty).
 local function finish(meta)
   if zcard(K.holders) == 0 and zcard(K.waiters) == 0 then

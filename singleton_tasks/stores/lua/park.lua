@@ -11,8 +11,6 @@ local run = load_run(ARGV[3])
 if run == nil or run.state ~= 'pending' then
   return {}
 end
-run.confirmed = true
-run.payload = ARGV[5]
-run.state = 'gated'
+take_place(run, ARGV[5])
 save_run(run)
 return wakes(load_meta() or default_meta(), tonumber(ARGV[4]), nil)
