@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
 
     from dramatiq.broker import Broker, MessageProxy
     from dramatiq.message import Message
-    from dramatiq.worker import Worker
+    from dramatiq.worker import Worker, WorkerThread
 
 logger = logging.getLogger("singleton_tasks")
 
@@ -171,6 +172,10 @@ class SingletonMiddleware(dramatiq.Middleware):
             raise SchemaError(str(error)) from error
         except core.StoreUnavailableError as error:
             logger.warning("singleton store unavailable at worker start (%s); gating fails closed", error)
+
+    def after_worker_thread_boot(self, broker: Broker, thread: WorkerThread) -> None:
+        """Open this thread's broker connection now: a first wake must not wait for a connect."""
+        _open_publishing_connection(broker)
 
     def after_worker_shutdown(self, broker: Broker, worker: Worker) -> None:
         """Stop the heartbeat thread and close this process's store clients."""
@@ -449,6 +454,21 @@ class _QuietDeferrals(logging.Filter):
             return True
         delivery = self._middleware._delivery()
         return not (delivery is not None and delivery.quiet and delivery.message is record.args[0])
+
+
+def _open_publishing_connection(broker: Broker) -> None:
+    """Connect a RabbitmqBroker's per-thread channel ahead of this thread's first publish.
+
+    RabbitmqBroker connects each publishing thread at its first enqueue (20–30 ms here); a thread
+    whose first publish is the wake of a release would hand the key over that much later.
+    """
+    rabbitmq = sys.modules.get("dramatiq.brokers.rabbitmq")  # loaded if a RabbitmqBroker exists
+    if rabbitmq is None or not isinstance(broker, rabbitmq.RabbitmqBroker):
+        return
+    try:
+        broker.channel  # noqa: B018 - the property connects
+    except Exception as error:  # enqueue connects again when it needs to
+        logger.warning("could not connect this worker thread to RabbitMQ ahead of use: %s", error)
 
 
 def _generation(message: MessageProxy) -> int:

@@ -14,7 +14,7 @@ from typing import Any
 
 import dramatiq
 import pytest
-from conftest import StoreFactory
+from conftest import RABBITMQ_URL, StoreFactory
 from dramatiq.brokers.stub import StubBroker
 from dramatiq.middleware import AgeLimit, MiddlewareError
 from dramatiq.results import ResultMissing, Results
@@ -34,7 +34,7 @@ from singleton_tasks import (
 from singleton_tasks.dramatiq import GENERATION, QueueFull, SingletonMiddleware
 from singleton_tasks.outcomes import RunState
 from singleton_tasks.stores import SCHEMA_VERSION
-from singleton_tasks.testing import reachable, require_executable, unavailable
+from singleton_tasks.testing import reachable, require_executable, require_server, unavailable
 
 QUEUE = "default"
 FAST = {"retry_delay": 0.05, "retry_jitter": 0.01}
@@ -654,6 +654,33 @@ def test_duplicate_start_of_a_registered_run_id_runs_once(make_env: Callable[...
     env.join()
     assert len(env.journal.ran("dup")) == 1
     assert env.keys() == []
+
+
+def test_worker_threads_connect_to_rabbitmq_before_their_first_publish() -> None:
+    # The wake of a release is often a thread's first publish: it must not wait for a connect.
+    require_server(RABBITMQ_URL, "RabbitMQ")
+    from dramatiq.brokers.rabbitmq import RabbitmqBroker
+
+    threads = 3
+    connected: list[bool] = []
+    booted = threading.Barrier(threads + 1, timeout=WAIT)
+
+    class Observer(dramatiq.Middleware):
+        def after_worker_thread_boot(self, broker: Any, thread: Any) -> None:
+            # Listed before SingletonMiddleware, so Dramatiq calls this hook after its.
+            connected.append(getattr(broker.state, "connection", None) is not None)
+            booted.wait()
+
+    singleton_middleware = SingletonMiddleware(store=f"memory://{uuid.uuid4().hex}")
+    broker = RabbitmqBroker(url=RABBITMQ_URL, middleware=[Observer(), singleton_middleware])
+    worker = dramatiq.Worker(broker, worker_threads=threads)
+    worker.start()
+    try:
+        booted.wait()
+    finally:
+        worker.stop()
+        broker.close()
+    assert connected == [True] * threads
 
 
 def test_constructible_from_a_dotted_path_with_kwargs() -> None:
