@@ -326,9 +326,7 @@ class SingletonMiddleware(dramatiq.Middleware):
             if wake.payload is None:
                 continue  # never delivered yet: its own message is on its way
             try:
-                woken = dramatiq.Message.decode(wake.payload).copy(
-                    options={GENERATION: wake.generation, WOKEN_AT: clock.now()}
-                )
+                woken = dramatiq.Message.decode(wake.payload).copy(options=_wake_options(broker, wake))
                 broker.enqueue(woken)
             except Exception:  # its delayed copy re-checks it anyway
                 logger.exception("waking run %s of key %r failed; its timer re-checks", wake.run_id, wake.key)
@@ -456,17 +454,37 @@ class _QuietDeferrals(logging.Filter):
         return not (delivery is not None and delivery.quiet and delivery.message is record.args[0])
 
 
+def _rabbitmq(broker: Broker) -> Any | None:
+    """The broker if it is a RabbitmqBroker (whose module is loaded if one exists), else None."""
+    rabbitmq = sys.modules.get("dramatiq.brokers.rabbitmq")
+    return broker if rabbitmq is not None and isinstance(broker, rabbitmq.RabbitmqBroker) else None
+
+
+def _wake_options(broker: Broker, wake: Wake) -> dict[str, Any]:
+    """A wake's options; on RabbitMQ priority queues it goes ahead of everything still queued.
+
+    The woken run's turn has come and its key's slot waits for it: queued behind a backlog, the
+    handoff would take as long as the queue. ``max_priority`` is the user's broker setting
+    (``RabbitmqBroker(max_priority=N)`` declares the queues with ``x-max-priority``).
+    """
+    options: dict[str, Any] = {GENERATION: wake.generation, WOKEN_AT: clock.now()}
+    rabbitmq = _rabbitmq(broker)
+    if rabbitmq is not None and rabbitmq.max_priority:
+        options["broker_priority"] = rabbitmq.max_priority
+    return options
+
+
 def _open_publishing_connection(broker: Broker) -> None:
     """Connect a RabbitmqBroker's per-thread channel ahead of this thread's first publish.
 
     RabbitmqBroker connects each publishing thread at its first enqueue (20–30 ms here); a thread
     whose first publish is the wake of a release would hand the key over that much later.
     """
-    rabbitmq = sys.modules.get("dramatiq.brokers.rabbitmq")  # loaded if a RabbitmqBroker exists
-    if rabbitmq is None or not isinstance(broker, rabbitmq.RabbitmqBroker):
+    rabbitmq = _rabbitmq(broker)
+    if rabbitmq is None:
         return
     try:
-        broker.channel  # noqa: B018 - the property connects
+        rabbitmq.channel  # noqa: B018 - the property connects
     except Exception as error:  # enqueue connects again when it needs to
         logger.warning("could not connect this worker thread to RabbitMQ ahead of use: %s", error)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import subprocess
@@ -16,6 +17,7 @@ import dramatiq
 import pytest
 from conftest import RABBITMQ_URL, StoreFactory
 from dramatiq.brokers.stub import StubBroker
+from dramatiq.common import dq_name, xq_name
 from dramatiq.middleware import AgeLimit, MiddlewareError
 from dramatiq.results import ResultMissing, Results
 from dramatiq.results.backends import StubBackend
@@ -681,6 +683,68 @@ def test_worker_threads_connect_to_rabbitmq_before_their_first_publish() -> None
         worker.stop()
         broker.close()
     assert connected == [True] * threads
+
+
+def test_a_wake_goes_ahead_of_a_queued_backlog_on_rabbitmq_priority_queues() -> None:
+    # The woken run's turn has come: it must not wait behind plain messages queued before its wake.
+    require_server(RABBITMQ_URL, "RabbitMQ")
+    from dramatiq.brokers.rabbitmq import RabbitmqBroker
+
+    journal = Journal()
+    holds = {"A": threading.Event(), "blocker": threading.Event()}
+    deferred = threading.Event()
+
+    class Observer(dramatiq.Middleware):
+        def after_skip_message(self, broker: Any, message: Any) -> None:
+            deferred.set()  # B was claimed, denied and deferred
+
+    # A re-check timer far beyond WAIT: only the wake can run B in time.
+    singleton_middleware = SingletonMiddleware(
+        store=f"memory://{uuid.uuid4().hex}", retry_delay=60.0, retry_jitter=0.0
+    )
+    broker = RabbitmqBroker(url=RABBITMQ_URL, max_priority=5, middleware=[Observer(), singleton_middleware])
+    queue = f"wake-first-{uuid.uuid4().hex[:8]}"
+
+    def body(label: str) -> None:
+        attempt = journal.begin(label, "K")
+        hold = holds.get(label)
+        if hold is not None:
+            assert hold.wait(WAIT)
+        journal.finish(attempt)
+
+    def plain_body(label: str) -> None:
+        body(label)
+
+    job = dramatiq.actor(
+        body, broker=broker, actor_name=f"job_{queue}", queue_name=queue, singleton={"key": "K"}
+    )
+    plain = dramatiq.actor(plain_body, broker=broker, actor_name=f"plain_{queue}", queue_name=queue)
+    worker = dramatiq.Worker(broker, worker_threads=2, worker_timeout=20)
+    worker.queue_prefetch = 2  # A and the blocker fill the window: the backlog stays in RabbitMQ
+    worker.start()
+    try:
+        job.send("A")
+        journal.wait(lambda: journal.started() == ["A"])
+        job.send("B")
+        assert deferred.wait(WAIT)
+        plain.send("blocker")
+        journal.wait(lambda: journal.started() == ["A", "blocker"])
+        backlog = [f"P{i}" for i in range(5)]
+        for label in backlog:
+            plain.send(label)
+        holds["A"].set()
+        journal.wait(lambda: "B" in journal.started())
+        holds["blocker"].set()
+        journal.wait(lambda: journal.finished("A", "B", "blocker", *backlog))
+    finally:
+        for hold in holds.values():
+            hold.set()
+        worker.stop()
+        with contextlib.suppress(Exception):
+            for name in (queue, dq_name(queue), xq_name(queue)):
+                broker.channel.queue_delete(queue=name)
+        broker.close()
+    assert journal.started() == ["A", "blocker", "B", *backlog]
 
 
 def test_constructible_from_a_dotted_path_with_kwargs() -> None:
