@@ -27,6 +27,7 @@ def write_plots(report: Report, directory: Path) -> list[Path]:
             _gantt(ax, t0, spans, plt)
             _, kind, variant = name.split(".")
             label = "SingletonMiddleware" if variant == "singleton" else "ConcurrentRateLimiter + Retries"
+            label += ", burst queued before the worker starts"
             end = max((s.end for s in spans), default=t0) - t0
             ax.set_title(
                 f"{label} on {kind}: {len(spans)} bodies, makespan {end:.2f} s", fontsize=9, loc="left"
