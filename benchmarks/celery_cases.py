@@ -27,7 +27,7 @@ from .common import (
     ratio_to_floor,
     unique,
 )
-from .dramatiq_cases import BURST_STARTS, Recorder, Span, add_burst_rows, is_fifo, overlaps, warm_up
+from .dramatiq_cases import BURST_STARTS, BurstOrders, Recorder, Span, add_burst_rows, warm_up
 
 BROKERS = {"redis": "Redis", "rabbitmq": "RabbitMQ"}
 
@@ -211,14 +211,12 @@ def _celery(report: Report, size: Size, runs: int, kind: str) -> None:
 
     b, body = size.celery_burst, size.burst_body
     ideal = b * body
-    fifo: dict[str, list[bool]] = {start: [] for start in BURST_STARTS}
-    overlap_counts: dict[str, list[int]] = {start: [] for start in BURST_STARTS}
+    orders = BurstOrders()
 
     def burst(singleton: bool, start: str = "queued") -> float:
         spans = _measure(kind, singleton, b, key="burst", body=body, cap=120, start=start)
         if singleton:
-            fifo[start].append(is_fifo(spans))
-            overlap_counts[start].append(overlaps(spans))
+            orders.record(start, spans)
         return spans[-1].end - spans[0].start
 
     # Plain Celery runs the burst 8 at a time (no mutex): shown for the cost of the worker alone.
@@ -240,6 +238,5 @@ def _celery(report: Report, size: Size, runs: int, kind: str) -> None:
         target=("8", f"Celery burst on {BROKERS[kind]}"),
         results=results,
         ideal=ideal,
-        fifo=fifo,
-        overlap_counts=overlap_counts,
+        orders=orders,
     )

@@ -112,11 +112,6 @@ def overlaps(spans: list[Span]) -> int:
     return count
 
 
-def order_note(fifo: list[bool], overlap_counts: list[int]) -> str:
-    """How many runs of a burst started in send order, and how many bodies overlapped in all."""
-    return f"FIFO {sum(fifo)}/{len(fifo)} runs, overlaps {sum(overlap_counts)}"
-
-
 def is_fifo(spans: list[Span]) -> bool:
     order = [s.index for s in sorted(spans, key=lambda s: s.start)]
     return order == sorted(order)
@@ -423,6 +418,25 @@ def warm_up(recorder: Recorder, send: Callable[[], object]) -> None:
         raise RuntimeError("the warm-up run did not finish in 60 s")
 
 
+@dataclass
+class BurstOrders:
+    """Per burst form: whether each run's bodies started in send order, and how many overlapped."""
+
+    fifo: dict[str, list[bool]] = field(default_factory=lambda: {s: [] for s in BURST_STARTS})
+    overlap_counts: dict[str, list[int]] = field(default_factory=lambda: {s: [] for s in BURST_STARTS})
+
+    def record(self, start: str, spans: list[Span]) -> None:
+        self.fifo[start].append(is_fifo(spans))
+        self.overlap_counts[start].append(overlaps(spans))
+
+    def note(self, start: str) -> str:
+        fifo = self.fifo[start]
+        return f"FIFO {sum(fifo)}/{len(fifo)} runs, overlaps {sum(self.overlap_counts[start])}"
+
+    def kept(self, start: str) -> bool:
+        return all(self.fifo[start]) and not any(self.overlap_counts[start])
+
+
 def add_burst_rows(
     report: Report,
     *,
@@ -432,12 +446,11 @@ def add_burst_rows(
     target: tuple[str, str],
     results: dict[str, list[float]],
     ideal: float,
-    fifo: dict[str, list[bool]],
-    overlap_counts: dict[str, list[int]],
+    orders: BurstOrders,
 ) -> None:
     """The subject's row and target for each way a burst meets its worker (``BURST_STARTS``)."""
     for start, label in BURST_STARTS.items():
-        order = order_note(fifo[start], overlap_counts[start])
+        order = orders.note(start)
         report.add(
             Row(
                 case,
@@ -451,7 +464,7 @@ def add_burst_rows(
             )
         )
         ratio = statistics.median(results[start]) / ideal
-        ok = ratio <= 1.15 and all(fifo[start]) and not any(overlap_counts[start])
+        ok = ratio <= 1.15 and orders.kept(start)
         report.target(
             target[0], f"{target[1]}, {label}: ≤ 1.15× ideal, FIFO, 0 overlaps", f"{ratio:.2f}×, {order}", ok
         )
@@ -460,8 +473,7 @@ def add_burst_rows(
 def _burst(report: Report, size: Size, runs: int, kind: str, worker_timeout: int) -> None:
     n, body = size.burst, size.burst_body
     ideal = n * body
-    fifo: dict[str, list[bool]] = {start: [] for start in BURST_STARTS}
-    overlap_counts: dict[str, list[int]] = {start: [] for start in BURST_STARTS}
+    orders = BurstOrders()
     base_done: list[int] = []
     base_fifo: list[bool] = []
     base_overlap: list[int] = []
@@ -479,8 +491,7 @@ def _burst(report: Report, size: Size, runs: int, kind: str, worker_timeout: int
                     raise RuntimeError(f"burst: only {len(rig.recorder.spans)}/{n} ran")
                 spans = rig.recorder.ordered()
             makespan = max(s.end for s in spans) - spans[0].start
-            fifo[start].append(is_fifo(spans))
-            overlap_counts[start].append(overlaps(spans))
+            orders.record(start, spans)
             if start == "queued":
                 report.plots[f"burst.{kind}.singleton"] = (spans[0].start, spans)
             return makespan
@@ -529,8 +540,7 @@ def _burst(report: Report, size: Size, runs: int, kind: str, worker_timeout: int
         target=("2", f"burst on {BROKERS[kind]}{timeout}"),
         results=results,
         ideal=ideal,
-        fifo=fifo,
-        overlap_counts=overlap_counts,
+        orders=orders,
     )
     unfinished = len(base_done) - len(results["crl"])
     text = (

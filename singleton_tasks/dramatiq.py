@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     import contextvars
 
     from dramatiq.broker import Broker, MessageProxy
+    from dramatiq.brokers.rabbitmq import RabbitmqBroker
     from dramatiq.message import Message
     from dramatiq.worker import Worker, WorkerThread
 
@@ -454,7 +455,7 @@ class _QuietDeferrals(logging.Filter):
         return not (delivery is not None and delivery.quiet and delivery.message is record.args[0])
 
 
-def _rabbitmq(broker: Broker) -> Any | None:
+def _rabbitmq(broker: Broker) -> RabbitmqBroker | None:
     """The broker if it is a RabbitmqBroker (whose module is loaded if one exists), else None."""
     rabbitmq = sys.modules.get("dramatiq.brokers.rabbitmq")
     return broker if rabbitmq is not None and isinstance(broker, rabbitmq.RabbitmqBroker) else None

@@ -712,13 +712,10 @@ def test_a_wake_goes_ahead_of_a_queued_backlog_on_rabbitmq_priority_queues() -> 
             assert hold.wait(WAIT)
         journal.finish(attempt)
 
-    def plain_body(label: str) -> None:
-        body(label)
-
     job = dramatiq.actor(
         body, broker=broker, actor_name=f"job_{queue}", queue_name=queue, singleton={"key": "K"}
     )
-    plain = dramatiq.actor(plain_body, broker=broker, actor_name=f"plain_{queue}", queue_name=queue)
+    plain = dramatiq.actor(body, broker=broker, actor_name=f"plain_{queue}", queue_name=queue)
     worker = dramatiq.Worker(broker, worker_threads=2, worker_timeout=20)
     worker.queue_prefetch = 2  # A and the blocker fill the window: the backlog stays in RabbitMQ
     worker.start()
@@ -740,8 +737,8 @@ def test_a_wake_goes_ahead_of_a_queued_backlog_on_rabbitmq_priority_queues() -> 
         for hold in holds.values():
             hold.set()
         worker.stop()
-        with contextlib.suppress(Exception):
-            for name in (queue, dq_name(queue), xq_name(queue)):
+        for name in (queue, dq_name(queue), xq_name(queue)):
+            with contextlib.suppress(Exception):
                 broker.channel.queue_delete(queue=name)
         broker.close()
     assert journal.started() == ["A", "blocker", "B", *backlog]
