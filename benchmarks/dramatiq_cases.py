@@ -26,7 +26,6 @@ from dramatiq.rate_limits import ConcurrentRateLimiter
 from dramatiq.rate_limits.backends import RedisBackend
 from dramatiq.worker import Worker
 
-from singleton_tasks import clock
 from singleton_tasks.dramatiq import SingletonMiddleware
 from singleton_tasks.outcomes import RunState
 
@@ -591,7 +590,7 @@ def handoff_run(
             store = rig.middleware.store
 
             def all_gated() -> bool:
-                snaps = store.snapshot(now=clock.now(), scope=rig.actor.actor_name, key="handoff")
+                snaps = store.snapshot(scope=rig.actor.actor_name, key="handoff")
                 return bool(snaps) and sum(w.state is RunState.GATED for w in snaps[0].waiters) >= n - 1
 
             if not wait_until(all_gated, 120, 0.05):
@@ -762,10 +761,10 @@ def _warm_scripts(store: Any) -> None:
 
     spec = RunSpec(scope="warm", key=unique("warm"), run_id=unique("run"))
     store.migrate()
-    store.register(spec, now=clock.now(), confirmed=False)
-    store.confirm(spec.scope, spec.key, spec.run_id, now=clock.now())
-    outcome = store.claim(spec, 0, None, now=clock.now())
-    store.release(spec.scope, spec.key, spec.run_id, token=outcome.token, now=clock.now())
+    store.register(spec, confirmed=False)
+    store.confirm(spec.scope, spec.key, spec.run_id)
+    outcome = store.claim(spec, 0, None)
+    store.release(spec.scope, spec.key, spec.run_id, token=outcome.token)
 
 
 # -- case 7: back-of-line waiters -----------------------------------------------------------

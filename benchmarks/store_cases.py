@@ -9,7 +9,7 @@ import time
 import uuid
 from collections.abc import Callable
 
-from singleton_tasks import clock, store_from_url
+from singleton_tasks import store_from_url
 from singleton_tasks.outcomes import Decision, RunSpec
 from singleton_tasks.stores import Store
 
@@ -25,8 +25,8 @@ class Line:
     def __init__(self, store: Store, key: str, waiters: int) -> None:
         self.store, self.key = store, key
         self.holder = self._spec()
-        store.register(self.holder, now=clock.now())
-        self.token = store.claim(self.holder, 0, self.PAYLOAD, now=clock.now()).token
+        store.register(self.holder)
+        self.token = store.claim(self.holder, 0, self.PAYLOAD).token
         self.back: list[tuple[RunSpec, int]] = []
         for _ in range(waiters):
             self.back.append(self.enqueue())
@@ -37,8 +37,8 @@ class Line:
     def enqueue(self) -> tuple[RunSpec, int]:
         """A new waiter at the back of the line: registered, delivered, gated."""
         spec = self._spec()
-        self.store.register(spec, now=clock.now())
-        outcome = self.store.claim(spec, 0, self.PAYLOAD, now=clock.now())
+        self.store.register(spec)
+        outcome = self.store.claim(spec, 0, self.PAYLOAD)
         assert outcome.decision is Decision.GATED and outcome.generation is not None
         return spec, outcome.generation
 
@@ -46,7 +46,7 @@ class Line:
         """The last waiter's delayed copy re-checks (stays gated): seconds."""
         spec, generation = self.back[-1]
         t0 = time.perf_counter()
-        outcome = self.store.claim(spec, generation, self.PAYLOAD, now=clock.now())
+        outcome = self.store.claim(spec, generation, self.PAYLOAD)
         elapsed = time.perf_counter() - t0
         assert outcome.decision is Decision.GATED and outcome.generation is not None
         self.back[-1] = (spec, outcome.generation)
@@ -56,22 +56,21 @@ class Line:
         """Release the holder, admit the head (its wake), register a new waiter at the back."""
         t0 = time.perf_counter()
         released = self.store.release(
-            "bench", self.key, self.holder.run_id, token=self.token, now=clock.now()
-        )
+            "bench", self.key, self.holder.run_id, token=self.token)
         t1 = time.perf_counter()
         (wake,) = released.wakes
         spec, _ = self.back.pop(0)
         assert wake.run_id == spec.run_id
         t2 = time.perf_counter()
-        outcome = self.store.claim(spec, wake.generation, self.PAYLOAD, now=clock.now())
+        outcome = self.store.claim(spec, wake.generation, self.PAYLOAD)
         t3 = time.perf_counter()
         assert outcome.decision is Decision.ADMITTED
         self.holder, self.token = spec, outcome.token
         spec_new = self._spec()
         t4 = time.perf_counter()
-        self.store.register(spec_new, now=clock.now())
+        self.store.register(spec_new)
         t5 = time.perf_counter()
-        gated = self.store.claim(spec_new, 0, self.PAYLOAD, now=clock.now())
+        gated = self.store.claim(spec_new, 0, self.PAYLOAD)
         assert gated.generation is not None
         self.back.append((spec_new, gated.generation))
         return t1 - t0, t3 - t2, t5 - t4
@@ -147,11 +146,11 @@ def _admissions(
         try:
             while not stop.is_set():
                 spec = RunSpec(scope="bench", key=key, run_id=uuid.uuid4().hex, limit=limit)
-                store.register(spec, now=clock.now())
-                outcome = store.claim(spec, 0, None, now=clock.now())
+                store.register(spec)
+                outcome = store.claim(spec, 0, None)
                 if outcome.decision is not Decision.ADMITTED:
                     raise RuntimeError(f"not admitted: {outcome.decision}")
-                store.release("bench", key, spec.run_id, token=outcome.token, now=clock.now())
+                store.release("bench", key, spec.run_id, token=outcome.token)
                 counts[t] += 1
         except BaseException as error:  # surfaced below
             errors.append(error)

@@ -480,8 +480,7 @@ def store_snapshots(store_url: str, namespace: str) -> list[KeySnapshot]:
     """Every key of the integration scopes that still has holders or waiters."""
     store = store_from_url(store_url, namespace=namespace)
     try:
-        now = time.time()
-        return [snap for scope in SINGLETON_TASKS for snap in store.snapshot(now=now, scope=scope)]
+        return [snap for scope in SINGLETON_TASKS for snap in store.snapshot(scope=scope)]
     finally:
         store.close()
 

@@ -39,7 +39,7 @@ from .config import BoundSingleton, SingletonConfig
 from .decorator import TaskDescription, register_describer
 from .errors import SingletonConfigError, SingletonKeyError, StoreUnavailableError
 from .outcomes import Decision, Registered, RunSpec, Wake
-from .runtime import Gatekeeper
+from .runtime import Gatekeeper, WorkerOptions
 
 __all__ = ["GENERATION_HEADER", "SingletonTask", "gatekeeper_for", "install"]
 
@@ -98,6 +98,7 @@ def install(
             "max_retry_delay": max_retry_delay,
         },
     )
+    WorkerOptions(**settings.options)  # bad timings fail here, not at the first run
     with _gatekeeper_lock:
         previous: Gatekeeper | None = getattr(app, _APP_GATEKEEPER, None)
         setattr(app, _APP_SETTINGS, settings)
@@ -117,8 +118,13 @@ class _SchemaCheck(bootsteps.StartStopStep):  # type: ignore[misc]
 
     def start(self, worker: Any) -> None:
         gatekeeper = gatekeeper_for(worker.app)
+        singletons = [
+            bound
+            for task in list(worker.app.tasks.values())
+            if isinstance(task, SingletonTask) and (bound := task._singleton_binding()) is not None
+        ]
         try:
-            gatekeeper.check()  # SchemaVersionError: "Unrecoverable error", exit 1
+            gatekeeper.check(singletons)  # SchemaVersionError: "Unrecoverable error", exit 1
         except StoreUnavailableError as error:
             logger.warning("singleton store unavailable at worker start (%s); gating fails closed", error)
         finally:
@@ -258,7 +264,9 @@ class SingletonTask(Task):  # type: ignore[misc]
             # A chain step accepted with its chain: never fail the parent over the cap or an outage.
             spec = dataclasses.replace(spec, max_queue_depth=None)
         try:
-            outcome = gatekeeper.register(bound, spec, confirmed=True)
+            # Unconfirmed until published: a producer that dies before it publishes leaves a
+            # registration that is passed over after the registration grace, not a ghost.
+            outcome = gatekeeper.register(bound, spec, confirmed=False)
         except StoreUnavailableError:
             if not dispatch:
                 # The registration may have been written before the reply was lost (a timeout):
@@ -281,13 +289,21 @@ class SingletonTask(Task):  # type: ignore[misc]
             )
         try:
             if payload is None:
-                return publish(run_id)
-            result = publish(
-                run_id, countdown=gatekeeper.deferral_delay(outcome.in_flight - spec.limit, spec.limit)
-            )
+                result = publish(run_id)
+            else:
+                result = publish(
+                    run_id, countdown=gatekeeper.deferral_delay(outcome.in_flight - spec.limit, spec.limit)
+                )
         except BaseException:
             _undo_registration(gatekeeper, spec, self.name)
             raise
+        if payload is None:
+            try:
+                gatekeeper.confirm(spec)
+            except StoreUnavailableError as error:
+                # Published all the same: its delivery confirms it (it takes its place in line).
+                logger.warning("%s run %s published, not confirmed (%s)", self.name, run_id, error)
+            return result
         try:
             _publish_wakes(self._get_app(), gatekeeper.park(self.name, spec, payload))
         except Exception:

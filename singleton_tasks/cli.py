@@ -9,7 +9,7 @@ Exit codes: 0 success; 1 the command's answer is "no" (``release`` of an unknown
 store error (unreachable store, wrong schema version).
 
 ``inspect --json`` prints one JSON document (format 1; times are epoch seconds of the
-library clock, durations are seconds)::
+store's clock, durations are seconds)::
 
     {
       "format": 1,
@@ -26,12 +26,14 @@ library clock, durations are seconds)::
             {"run_id": "…", "token": 42, "admitted_at": …, "heartbeat_at": …,
              "lease_expires_at": …, "lease_age": 3.2,    # seconds since the last heartbeat
              "lease_expired": false,
-             "status": "executing"}                  # or "waiting_for_retry"
-          ],
+             "status": "executing"}                  # or "waiting_for_retry"; "phantom": its
+          ],                                         # data is lost, release it
           "waiters": [                               # in admission order
             {"run_id": "…", "position": 1, "created_at": …, "waiting": 12.5,
-             "state": "gated",                       # "pending" | "gated" | "woken"
-             "confirmed": true}                      # false: enqueue not yet confirmed
+             "state": "gated",                       # "pending" | "gated" | "woken" | "phantom"
+             "confirmed": true,                      # false: enqueue not yet confirmed
+             "seen_at": …,                           # a live copy of it last reached the store
+             "passed_over": false}                   # unseen too long: owns no slot, not counted
           ]
         }
       ]
@@ -61,7 +63,6 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from . import clock
 from .errors import SingletonError
 from .outcomes import HolderView, KeySnapshot, ReleaseOutcome, RunState, WaiterView
 from .stores import SCHEMA_VERSION, Store, redact_url, store_from_url
@@ -147,12 +148,10 @@ def _has_schema(store: Store) -> bool:
     return True
 
 
-def _snapshots(
-    store: Store, now: float, scope: str | None = None, key: str | None = None
-) -> list[KeySnapshot]:
+def _snapshots(store: Store, scope: str | None = None, key: str | None = None) -> list[KeySnapshot]:
     if not _has_schema(store):
         return []
-    snaps = store.snapshot(now=now, scope=scope, key=key)
+    snaps = store.snapshot(scope=scope, key=key)
     return sorted(snaps, key=lambda s: (s.scope, s.key))
 
 
@@ -160,7 +159,17 @@ def _snapshots(
 
 
 def _holder_status(holder: HolderView) -> str:
+    if holder.phantom:
+        return "phantom"
     return "executing" if holder.executing else "waiting_for_retry"
+
+
+def _waiter_state(waiter: WaiterView, now: float) -> str:
+    if waiter.phantom:
+        return "phantom"
+    if waiter.passed_over_at is not None and waiter.passed_over_at < now:
+        return f"{waiter.state.value}, passed over"
+    return waiter.state.value
 
 
 def inspect_document(store: Store, snaps: Sequence[KeySnapshot], now: float) -> dict[str, Any]:
@@ -192,8 +201,10 @@ def inspect_document(store: Store, snaps: Sequence[KeySnapshot], now: float) -> 
                         "position": w.position,
                         "created_at": w.created_at,
                         "waiting": round(max(0.0, now - w.created_at), 3),
-                        "state": w.state.value,
+                        "state": "phantom" if w.phantom else w.state.value,
                         "confirmed": w.confirmed,
+                        "seen_at": w.seen_at,
+                        "passed_over": w.passed_over_at is not None and w.passed_over_at < now,
                     }
                     for w in snap.waiters
                 ],
@@ -250,7 +261,9 @@ def inspect_renderable(store: Store, snaps: Sequence[KeySnapshot], now: float) -
         table.add_column("state")
         for h in snap.holders:
             state = "executing" if h.executing else "waiting for retry"
-            if h.lease_expires_at <= now:
+            if h.phantom:
+                state = "phantom: its data is lost, release it"
+            elif h.lease_expires_at <= now:
                 state += " (lease lapsed)"
             table.add_row(
                 "holder",
@@ -261,7 +274,7 @@ def inspect_renderable(store: Store, snaps: Sequence[KeySnapshot], now: float) -
                 state,
             )
         for w in snap.waiters:
-            state = w.state.value + ("" if w.confirmed else ", unconfirmed")
+            state = _waiter_state(w, now) + ("" if w.confirmed or w.phantom else ", unconfirmed")
             table.add_row(
                 str(w.position),
                 w.run_id,
@@ -298,8 +311,8 @@ def cli() -> None:
 def inspect(store_url: str | None, namespace: str, scope: str | None, key: str | None, as_json: bool) -> None:
     """Keys with their holders (token, lease age) and waiters in admission order."""
     with open_store(store_url, namespace) as store:
-        now = clock.now()
-        snaps = _snapshots(store, now, scope=scope, key=key)
+        snaps = _snapshots(store, scope=scope, key=key)
+        now = store.time()  # ages and leases are the store's: its clock decides them
         if as_json:
             click.echo(json.dumps(inspect_document(store, snaps, now), indent=2))
         else:
@@ -359,8 +372,7 @@ def release(store_url: str | None, namespace: str, run_id: str, yes: bool, broke
     """
     broker = _dramatiq_broker(broker_url) if broker_url else None
     with open_store(store_url, namespace) as store:
-        now = clock.now()
-        found = _find_run(_snapshots(store, now), run_id)
+        found = _find_run(_snapshots(store), run_id)
         if found is None:
             click.echo(
                 f"run {run_id} is not registered in {store.url} (namespace {store.namespace})", err=True
@@ -371,7 +383,7 @@ def release(store_url: str | None, namespace: str, run_id: str, yes: bool, broke
         if not yes and not click.confirm(f"Release {what}?", default=False):
             click.echo("not released", err=True)
             sys.exit(1)
-        outcome = store.operator_release(run_id, now=clock.now())
+        outcome = store.operator_release(run_id)
         if outcome is None or not outcome.released:
             click.echo(f"run {run_id} settled meanwhile: nothing released", err=True)
             sys.exit(1)
@@ -401,7 +413,7 @@ def _report_next(store: Store, snap: KeySnapshot, outcome: ReleaseOutcome, publi
     for run_id in outcome.evicted:
         click.echo(f"evicted orphaned holder {run_id}")
     if not outcome.wakes:
-        after = store.snapshot(now=clock.now(), scope=snap.scope, key=snap.key)
+        after = store.snapshot(scope=snap.scope, key=snap.key)
         waiters = after[0].waiters if after else ()
         if waiters:
             head = waiters[0]
@@ -472,23 +484,25 @@ def _publish_wakes(broker: Any, broker_url: str | None, outcome: ReleaseOutcome)
 
 @dataclass
 class TopState:
-    """What one frame remembers for the next: tokens seen, to count handoffs between frames."""
+    """What one frame remembers for the next: the admissions seen, to count handoffs between frames."""
 
-    tokens: dict[tuple[str, str], int] = field(default_factory=dict)
+    admissions: set[tuple[str, str, int]] = field(default_factory=set)
     at: float | None = None
     rate: float | None = None
 
     def advance(self, snaps: Sequence[KeySnapshot], now: float) -> float | None:
-        """Handoffs per second since the previous frame (admissions = token increments).
+        """Handoffs per second since the previous frame (admissions = holders with a new token).
 
-        A key emptied between frames leaves the snapshot, so its last admissions are not
-        counted; a key first seen counts from that frame on.
+        Tokens come from the store clock, so their values do not count admissions: a holder
+        with a token not seen in the previous frame does. A run admitted and settled between
+        two frames, or a key first seen, is not counted.
         """
-        tokens = {(s.scope, s.key): s.token for s in snaps}
+        admissions = {(s.scope, s.key, h.token) for s in snaps for h in s.holders}
         if self.at is not None and now > self.at:
-            delta = sum(max(0, t - self.tokens[k]) for k, t in tokens.items() if k in self.tokens)
-            self.rate = delta / (now - self.at)
-        self.tokens, self.at = tokens, now
+            seen_keys = {(scope, key) for scope, key, _token in self.admissions}
+            new = [a for a in admissions - self.admissions if (a[0], a[1]) in seen_keys]
+            self.rate = len(new) / (now - self.at)
+        self.admissions, self.at = admissions, now
         return self.rate
 
 
@@ -552,8 +566,8 @@ def top_renderable(
 def top_frame(store: Store, state: TopState | None = None, *, now: float | None = None) -> RenderableType:
     """One frame of ``top`` for ``store``; pass the same ``state`` to rate handoffs across frames."""
     state = state or TopState()
-    now = clock.now() if now is None else now
-    snaps = _snapshots(store, now)
+    snaps = _snapshots(store)
+    now = store.time() if now is None else now
     rate = state.advance(snaps, now)
     return top_renderable(store, snaps, now, rate)
 

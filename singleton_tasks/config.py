@@ -10,7 +10,24 @@ from typing import Any
 
 from .errors import SingletonConfigError, SingletonKeyError
 
+#: The longest key a task may derive (characters).
 MAX_KEY_LENGTH = 512
+
+# Worker-side defaults (seconds), read by both adapters and the shared runtime.
+#: How long a holder's slot is safe without a heartbeat; heartbeats go at least 3 times per lease.
+DEFAULT_LEASE = 60.0
+#: How long after its lease lapsed an unclaimed holder is evicted; a waiter unseen this long
+#: (plus its longest re-check delay) is passed over.
+DEFAULT_ORPHAN_TIMEOUT = 600.0
+#: Delay until a denied delivery is re-checked at the head of the line (the fallback of a wake).
+DEFAULT_RETRY_DELAY = 1.0
+#: ± jitter of every re-check delay.
+DEFAULT_RETRY_JITTER = 0.25
+#: Waiters far back in the line are re-checked at most this rarely (a wake comes first).
+DEFAULT_MAX_RETRY_DELAY = 10.0
+#: The shortest lease a task or worker may use: heartbeats every lease / 3 must survive a store
+#: call that takes a second and a stalled thread.
+MIN_LEASE = 3.0
 
 KeySpec = str | Callable[..., object]
 
@@ -54,6 +71,8 @@ class SingletonConfig:
                 and (not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0)
             ):
                 raise SingletonConfigError(f"singleton {name} must be a positive number, got {value!r}")
+        if self.lease is not None:
+            check_lease(self.lease, "singleton lease")
 
     @classmethod
     def coerce(cls, value: object, *, task_name: str) -> SingletonConfig:
@@ -87,6 +106,16 @@ class _Disabled(float):
 DISABLED: float = _Disabled("inf")
 
 _FIELDS = {"key", "limit", "max_queue_depth", "scope", "lease", "orphan_timeout"}
+
+
+def check_lease(lease: object, what: str) -> float:
+    """``lease`` as seconds, or SingletonConfigError if it is not a number >= :data:`MIN_LEASE`."""
+    if not isinstance(lease, (int, float)) or isinstance(lease, bool) or not lease >= MIN_LEASE:
+        raise SingletonConfigError(
+            f"{what} must be a number of seconds >= {MIN_LEASE:g} (heartbeats go every lease / 3 "
+            f"and must survive a slow store call), got {lease!r}"
+        )
+    return float(lease)
 
 
 def _is_int(value: object) -> bool:

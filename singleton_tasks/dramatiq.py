@@ -167,8 +167,9 @@ class SingletonMiddleware(dramatiq.Middleware):
     def before_worker_boot(self, broker: Broker, worker: Worker) -> None:
         """Refuse to start against a missing or incompatible store schema (SPEC §8)."""
         logging.getLogger(_WORKER_LOGGER).addFilter(self._quiet)
+        singletons = [bound for actor in list(broker.actors.values()) if (bound := _bind(actor)) is not None]
         try:
-            self.gatekeeper.check()
+            self.gatekeeper.check(singletons)
         except core.SchemaVersionError as error:
             raise SchemaError(str(error)) from error
         except core.StoreUnavailableError as error:

@@ -1,18 +1,37 @@
-"""The gate's rules, written once over a locked per-key transaction (SPEC §3–§7).
+"""The gate's rules, written once over a locked per-key transaction (SPEC §3–§8).
 
 A store that keeps its data in rows or dicts implements :class:`KeyTransaction` (a handful
 of reads and writes of one key's records, under that key's lock) and gets every rule from
-here. The Redis store runs the same rules as Lua scripts; the contract suite keeps the two
-identical.
+here. The Redis store runs the same rules as Lua scripts; the contract suite and the model
+test keep the two identical.
+
+Words used below:
+
+- *holder*: a run that owns one of the key's ``limit`` slots; *waiter*: any other registered run
+  (*pending*: registered, never delivered; *gated*: delivered and deferred; *woken*: gated, and
+  a wake copy of it was published).
+- *copy*: one message of a run; every copy the library publishes carries a *generation*, and a
+  run's record lists its *live* generations. A delivery of a generation that is not live is
+  *stale*: dropped, never run.
+- *seen*: a live copy of a run (or its registration) reached the store. A waiter unseen for
+  its orphan timeout plus its longest re-check delay (an unpublished registration: for the
+  registration grace) is *passed over*: it owns no slot and does not count against the backlog
+  cap until it is seen again. Passed over for ``retention`` more, it is *removed*.
+- *now*: always the store's clock (:meth:`KeyTransaction.now`), never a worker's.
+- Tokens and generations are drawn from the store's clock in microseconds combined with a
+  counter (``max(previous + 1, now in µs)``): tokens keep increasing after a key's state
+  expired, and a generation tells when its copy was issued.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from .config import DEFAULT_LEASE, DEFAULT_MAX_RETRY_DELAY, DEFAULT_ORPHAN_TIMEOUT, DEFAULT_RETRY_JITTER
 from .outcomes import (
     ClaimOutcome,
     Decision,
@@ -24,14 +43,22 @@ from .outcomes import (
     Wake,
 )
 
+#: An unpublished registration is passed over after this many seconds (a producer died between
+#: registering and publishing: its message never comes).
+DEFAULT_REGISTRATION_GRACE = 10.0
+#: How long a store remembers a settled run and an idle key (seconds): one day.
+DEFAULT_RETENTION = 86_400.0
+
 
 @dataclass
 class KeyMeta:
-    """Per scope+key counters. ``token`` outlives the key's runs; ``seq`` restarts when empty."""
+    """Per scope+key counters; ``seq`` restarts when the key has no runs."""
 
     token: int = 0
     seq: int = 0
     limit: int = 1
+    #: The key has no runs: after this time it is forgotten (None while it has runs).
+    idle_until: float | None = None
 
 
 @dataclass
@@ -52,8 +79,11 @@ class RunRecord:
     heartbeat_at: float = 0.0
     lease_expires_at: float = 0.0
     executing: bool = False
-    lease: float = 60.0
-    orphan_timeout: float | None = 600.0
+    lease: float = DEFAULT_LEASE
+    orphan_timeout: float | None = DEFAULT_ORPHAN_TIMEOUT
+    recheck: float = DEFAULT_MAX_RETRY_DELAY + DEFAULT_RETRY_JITTER
+    seen_at: float = 0.0  # when a live copy (or the registration) last reached the store
+    passed_over_at: float | None = None  # a waiter unseen until then is passed over (None: never)
 
     def copy(self) -> RunRecord:
         return dataclasses.replace(self, live=list(self.live))
@@ -63,12 +93,20 @@ class KeyTransaction(abc.ABC):
     """One key's records, read and written while that key is locked by the store."""
 
     @abc.abstractmethod
+    def now(self) -> float:
+        """The store's clock (epoch seconds), read while the key is locked."""
+
+    @abc.abstractmethod
     def meta(self) -> KeyMeta | None:
-        """The key's counters, or None if the key was never used."""
+        """The key's counters as stored, or None if there are none (never used, or forgotten)."""
 
     @abc.abstractmethod
     def save_meta(self, meta: KeyMeta) -> None:
-        """Create or update the key's counters."""
+        """Create or update the key's counters.
+
+        With ``meta.idle_until`` set the key has no runs left: the store may delete everything
+        of it after that time (its settled markers expire by then too).
+        """
 
     @abc.abstractmethod
     def get_run(self, run_id: str) -> RunRecord | None:
@@ -99,8 +137,12 @@ class KeyTransaction(abc.ABC):
         """How many waiters registered before ``seq``."""
 
     @abc.abstractmethod
-    def unconfirmed_before(self, created_before: float) -> list[str]:
-        """Run ids of pending, unconfirmed registrations created before the given time."""
+    def count_passed_over(self, now: float) -> int:
+        """How many waiters are passed over at ``now`` (``passed_over_at < now``)."""
+
+    @abc.abstractmethod
+    def passed_over_before(self, before: float) -> list[str]:
+        """Run ids of the waiters with ``passed_over_at < before``."""
 
     @abc.abstractmethod
     def settled_generation(self, run_id: str, now: float) -> int | None:
@@ -119,11 +161,28 @@ class KeyTransaction(abc.ABC):
 class Timings:
     """Store-wide durations of the rules, in seconds."""
 
-    registration_grace: float = 10.0  # an unconfirmed registration is a ghost after this
-    settled_ttl: float = 3600.0  # how long a settled run's generation marker lives
+    #: An unpublished (unconfirmed) registration is passed over after this.
+    registration_grace: float = DEFAULT_REGISTRATION_GRACE
+    #: Settled markers, idle keys and long-passed-over waiters are forgotten after this.
+    retention: float = DEFAULT_RETENTION
 
 
 _PAGE = 64
+
+
+def micros(now: float) -> int:
+    """A store time as whole microseconds: the clock part of tokens and generations."""
+    return math.floor(now * 1_000_000)
+
+
+def issued_before(generation: int, moment: float) -> bool:
+    """Whether a library copy of ``generation`` was issued before ``moment`` (0: the producer's copy)."""
+    return generation != 0 and generation < micros(moment)
+
+
+def _next(counter: int, now: float) -> int:
+    """The next token or generation: above every earlier one, and at least the clock in µs."""
+    return max(counter + 1, micros(now))
 
 
 def _waiters(tx: KeyTransaction) -> Iterator[RunRecord]:
@@ -137,12 +196,19 @@ def _waiters(tx: KeyTransaction) -> Iterator[RunRecord]:
 
 
 def _passed_over(run: RunRecord, now: float) -> bool:
-    """A waiter registered but never delivered within its orphan timeout (SPEC §6)."""
-    return (
-        run.state is RunState.PENDING
-        and run.orphan_timeout is not None
-        and run.created_at + run.orphan_timeout < now
-    )
+    """A waiter none of whose copies has shown up for too long (SPEC §6)."""
+    return run.passed_over_at is not None and run.passed_over_at < now
+
+
+def _seen(run: RunRecord, now: float, timings: Timings) -> None:
+    """A live copy of the run (or its registration) reached the store: it is not gone."""
+    run.seen_at = now
+    if not run.confirmed:
+        run.passed_over_at = now + timings.registration_grace  # its message may never come
+    elif run.orphan_timeout is None:
+        run.passed_over_at = None
+    else:
+        run.passed_over_at = now + run.orphan_timeout + run.recheck
 
 
 def _slot_owners(tx: KeyTransaction, free: int, now: float) -> list[RunRecord]:
@@ -158,18 +224,25 @@ def _slot_owners(tx: KeyTransaction, free: int, now: float) -> list[RunRecord]:
     return owners
 
 
-def _housekeep(tx: KeyTransaction, now: float, timings: Timings, keep: str | None) -> list[str]:
-    """Evict orphaned holders and forget ghost registrations; returns the evicted run ids."""
-    evicted = []
+@dataclass
+class _Housekept:
+    evicted: list[str] = field(default_factory=list)  # orphaned holders
+    removed: list[str] = field(default_factory=list)  # waiters passed over for ``retention`` more
+
+
+def _housekeep(tx: KeyTransaction, now: float, timings: Timings, keep: str | None) -> _Housekept:
+    """Evict orphaned holders and remove waiters long gone; ``keep`` (the caller's run) stays."""
+    done = _Housekept()
     for holder in tx.holders():
         timeout = holder.orphan_timeout
         if timeout is not None and holder.lease_expires_at + timeout < now and holder.run_id != keep:
             tx.delete_run(holder.run_id)
-            evicted.append(holder.run_id)
-    for ghost in tx.unconfirmed_before(now - timings.registration_grace):
-        if ghost != keep:
-            tx.delete_run(ghost)
-    return evicted
+            done.evicted.append(holder.run_id)
+    for run_id in tx.passed_over_before(now - timings.retention):
+        if run_id != keep:
+            tx.delete_run(run_id)
+            done.removed.append(run_id)
+    return done
 
 
 def _wakes(
@@ -180,7 +253,7 @@ def _wakes(
     wakes = []
     for run in _slot_owners(tx, free, now):
         if run.state is RunState.GATED and run.run_id != skip:
-            run.generation += 1
+            run.generation = _next(run.generation, now)
             # A payload-less wake cannot be published, so every copy in flight stays live: the
             # deferred one may never have been published, leaving only the first to run it.
             kept = run.live if run.payload is None else run.live[-1:]
@@ -202,16 +275,29 @@ def _take_place(run: RunRecord, payload: bytes | None) -> None:
         run.state = RunState.GATED
 
 
-def _finish(tx: KeyTransaction, meta: KeyMeta) -> None:
-    """Save the counters; an empty key keeps nothing but its token (SPEC §8)."""
+def _meta(tx: KeyTransaction, now: float) -> KeyMeta:
+    """The key's counters; a key idle past its ``idle_until`` is forgotten, deleted yet or not."""
+    meta = tx.meta()
+    if meta is None or (meta.idle_until is not None and meta.idle_until < now):
+        return KeyMeta()
+    return meta
+
+
+def _finish(tx: KeyTransaction, meta: KeyMeta, now: float, timings: Timings) -> None:
+    """Save the counters; an empty key is forgotten after ``retention`` (SPEC §8)."""
     if tx.count_runs() == 0:
         meta.seq = 0
+        meta.idle_until = now + timings.retention
+    else:
+        meta.idle_until = None
     tx.save_meta(meta)
 
 
-def _new_waiter(spec: RunSpec, meta: KeyMeta, now: float, *, confirmed: bool, generation: int) -> RunRecord:
+def _new_waiter(
+    spec: RunSpec, meta: KeyMeta, now: float, timings: Timings, *, confirmed: bool, generation: int
+) -> RunRecord:
     meta.seq += 1
-    return RunRecord(
+    run = RunRecord(
         run_id=spec.run_id,
         seq=meta.seq,
         state=RunState.PENDING,
@@ -221,38 +307,42 @@ def _new_waiter(spec: RunSpec, meta: KeyMeta, now: float, *, confirmed: bool, ge
         live=[generation],
         lease=spec.lease,
         orphan_timeout=spec.orphan_timeout,
+        recheck=spec.recheck,
     )
+    _seen(run, now, timings)
+    return run
 
 
-def register(
-    tx: KeyTransaction, spec: RunSpec, *, now: float, confirmed: bool, timings: Timings
-) -> RegisterOutcome:
+def register(tx: KeyTransaction, spec: RunSpec, *, confirmed: bool, timings: Timings) -> RegisterOutcome:
     """Register a pending waiter, atomically with the backlog cap (SPEC §3.1, §5, §7)."""
     if tx.get_run(spec.run_id) is not None:
         return RegisterOutcome(Registered.EXISTS, tx.count_runs())
-    ghosts = len(tx.unconfirmed_before(now - timings.registration_grace))
-    in_flight = tx.count_runs() - ghosts
+    now = tx.now()
+    in_flight = tx.count_runs() - tx.count_passed_over(now)
     if spec.max_queue_depth is not None and in_flight >= spec.limit + spec.max_queue_depth:
         return RegisterOutcome(Registered.FULL, in_flight)
-    meta = tx.meta() or KeyMeta()
+    meta = _meta(tx, now)
     meta.limit = spec.limit
     tx.clear_settled(spec.run_id)
-    tx.save_run(_new_waiter(spec, meta, now, confirmed=confirmed, generation=0))
-    tx.save_meta(meta)
+    tx.save_run(_new_waiter(spec, meta, now, timings, confirmed=confirmed, generation=0))
+    _finish(tx, meta, now, timings)
     return RegisterOutcome(Registered.REGISTERED, in_flight + 1)
 
 
-def confirm(tx: KeyTransaction, run_id: str) -> bool:
-    """Mark a registration as published (Dramatiq confirms after the broker accepted it)."""
+def confirm(tx: KeyTransaction, run_id: str, *, timings: Timings) -> bool:
+    """Mark a registration as published (its message is on its way): it is seen now."""
     run = tx.get_run(run_id)
     if run is None or run.confirmed:
         return run is not None
     run.confirmed = True
+    _seen(run, tx.now(), timings)
     tx.save_run(run)
     return True
 
 
-def park(tx: KeyTransaction, scope: str, key: str, run_id: str, payload: bytes, *, now: float) -> list[Wake]:
+def park(
+    tx: KeyTransaction, scope: str, key: str, run_id: str, payload: bytes, *, timings: Timings
+) -> list[Wake]:
     """A registration published held back (delayed at enqueue) waits gated with its payload.
 
     It is then woken like a deferred delivery; its held-back copy stays live as the fallback.
@@ -262,19 +352,21 @@ def park(tx: KeyTransaction, scope: str, key: str, run_id: str, payload: bytes, 
     run = tx.get_run(run_id)
     if run is None or run.state is not RunState.PENDING:
         return []
+    now = tx.now()
     _take_place(run, payload)
+    _seen(run, now, timings)
     tx.save_run(run)
-    return _wakes(tx, tx.meta() or KeyMeta(), scope, key, now, skip=None)
+    return _wakes(tx, _meta(tx, now), scope, key, now, skip=None)
 
 
-def unregister(tx: KeyTransaction, run_id: str) -> bool:
+def unregister(tx: KeyTransaction, run_id: str, *, timings: Timings) -> bool:
     """Undo a registration whose publish failed; holders and delivered runs are left alone."""
     run = tx.get_run(run_id)
     if run is None or run.state is not RunState.PENDING:
         return False
     tx.delete_run(run_id)
-    meta = tx.meta() or KeyMeta()
-    _finish(tx, meta)
+    now = tx.now()
+    _finish(tx, _meta(tx, now), now, timings)
     return True
 
 
@@ -284,64 +376,81 @@ def claim(
     generation: int,
     payload: bytes | None,
     *,
-    now: float,
     timings: Timings,
 ) -> ClaimOutcome:
-    """Decide one delivery: admit, gate, defer a busy duplicate, or drop a stale copy."""
-    meta = tx.meta() or KeyMeta()
+    """Decide one delivery: admit, gate, defer a busy duplicate, or drop a stale copy.
+
+    Every answer also names the gated waiters that own a free slot now (``wakes``): a slot may
+    have freed since the last call (an eviction, a waiter passed over), and whoever touches the
+    key next hands it on.
+    """
+    now = tx.now()
+    meta = _meta(tx, now)
     meta.limit = spec.limit
-    evicted = _housekeep(tx, now, timings, keep=spec.run_id)
+    done = _housekeep(tx, now, timings, keep=spec.run_id)
+    evicted, removed = tuple(done.evicted), tuple(done.removed)
+
+    def stale() -> ClaimOutcome:
+        wakes = _wakes(tx, meta, spec.scope, spec.key, now, skip=None)
+        _finish(tx, meta, now, timings)
+        return ClaimOutcome(Decision.STALE, evicted=evicted, wakes=tuple(wakes), removed=removed)
+
     run = tx.get_run(spec.run_id)
     if run is None:
         settled = tx.settled_generation(spec.run_id, now)
         if settled is not None and settled != generation:
-            wakes = _wakes(tx, meta, spec.scope, spec.key, now, skip=None) if evicted else []
-            _finish(tx, meta)
-            return ClaimOutcome(Decision.STALE, evicted=tuple(evicted), wakes=tuple(wakes))
+            return stale()  # a dead copy of a settled run
+        if settled is None and issued_before(generation, now - timings.retention):
+            return stale()  # issued before anything the store remembers: its run settled
         # Never registered (send_task, or a settled run re-driven): first sight (SPEC §4).
         tx.clear_settled(spec.run_id)
-        run = _new_waiter(spec, meta, now, confirmed=True, generation=generation)
+        run = _new_waiter(spec, meta, now, timings, confirmed=True, generation=generation)
     elif generation not in run.live:
-        wakes = _wakes(tx, meta, spec.scope, spec.key, now, skip=None)
-        _finish(tx, meta)
-        return ClaimOutcome(Decision.STALE, evicted=tuple(evicted), wakes=tuple(wakes))
+        return stale()
     run.lease = spec.lease
     run.orphan_timeout = spec.orphan_timeout
+    run.recheck = spec.recheck
 
     if run.state is RunState.HOLDING:
         if run.executing and run.lease_expires_at > now:
-            run.generation += 1
+            run.generation = _next(run.generation, now)
             # This copy stays live until its deferred copy is published: a crash in between
             # redelivers it, and it must not be dropped as stale (the run would be lost).
             run.live = sorted({run.holder_generation, generation, run.generation})
             tx.save_run(run)
-            wakes = _wakes(tx, meta, spec.scope, spec.key, now, skip=None) if evicted else []
-            _finish(tx, meta)
+            wakes = _wakes(tx, meta, spec.scope, spec.key, now, skip=None)
+            _finish(tx, meta, now, timings)
             return ClaimOutcome(
-                Decision.BUSY, generation=run.generation, evicted=tuple(evicted), wakes=tuple(wakes)
+                Decision.BUSY,
+                generation=run.generation,
+                evicted=evicted,
+                wakes=tuple(wakes),
+                removed=removed,
             )
         takeover = run.executing
-        return _admit(tx, meta, spec, run, generation, now, evicted, takeover=takeover)
+        return _admit(tx, meta, spec, run, generation, now, timings, done, takeover=takeover)
 
     _take_place(run, payload)
+    _seen(run, now, timings)
     tx.save_run(run)
     free = meta.limit - len(tx.holders())
     owners = _slot_owners(tx, free, now)
     if any(owner.run_id == run.run_id for owner in owners):
-        return _admit(tx, meta, spec, run, generation, now, evicted, takeover=False)
-    run.generation += 1
+        return _admit(tx, meta, spec, run, generation, now, timings, done, takeover=False)
+    run.generation = _next(run.generation, now)
     run.live = sorted({generation, run.generation})
     run.state = RunState.GATED
     tx.save_run(run)
     wakes = _wakes(tx, meta, spec.scope, spec.key, now, skip=run.run_id)
     position = tx.waiters_before(run.seq) + 1
-    _finish(tx, meta)
+    _finish(tx, meta, now, timings)
     return ClaimOutcome(
         Decision.GATED,
         generation=run.generation,
         position=position,
-        evicted=tuple(evicted),
+        evicted=evicted,
         wakes=tuple(wakes),
+        removed=removed,
     )
 
 
@@ -352,11 +461,12 @@ def _admit(
     run: RunRecord,
     generation: int,
     now: float,
-    evicted: list[str],
+    timings: Timings,
+    done: _Housekept,
     *,
     takeover: bool,
 ) -> ClaimOutcome:
-    meta.token += 1
+    meta.token = _next(meta.token, now)
     run.state = RunState.HOLDING
     run.token = meta.token
     run.holder_generation = generation
@@ -368,21 +478,23 @@ def _admit(
     run.payload = None
     tx.save_run(run)
     wakes = _wakes(tx, meta, spec.scope, spec.key, now, skip=run.run_id)
-    _finish(tx, meta)
+    _finish(tx, meta, now, timings)
     return ClaimOutcome(
         Decision.ADMITTED,
         token=run.token,
         takeover=takeover,
-        evicted=tuple(evicted),
+        evicted=tuple(done.evicted),
         wakes=tuple(wakes),
+        removed=tuple(done.removed),
     )
 
 
-def suspend(tx: KeyTransaction, run_id: str, token: int, *, now: float, delay: float) -> bool:
+def suspend(tx: KeyTransaction, run_id: str, token: int, *, delay: float) -> bool:
     """A holder waits for its retry: it keeps its slot, not executing (SPEC §3.4)."""
     run = tx.get_run(run_id)
     if run is None or run.state is not RunState.HOLDING or run.token != token:
         return False
+    now = tx.now()
     run.executing = False
     run.heartbeat_at = now
     run.lease_expires_at = now + delay + run.lease
@@ -390,11 +502,12 @@ def suspend(tx: KeyTransaction, run_id: str, token: int, *, now: float, delay: f
     return True
 
 
-def heartbeat(tx: KeyTransaction, run_id: str, token: int, *, now: float) -> bool:
+def heartbeat(tx: KeyTransaction, run_id: str, token: int) -> bool:
     """Extend a running holder's lease; False if the run lost its slot."""
     run = tx.get_run(run_id)
     if run is None or run.state is not RunState.HOLDING or run.token != token:
         return False
+    now = tx.now()
     run.heartbeat_at = now
     run.lease_expires_at = now + run.lease
     tx.save_run(run)
@@ -409,7 +522,6 @@ def release(
     *,
     token: int | None,
     generation: int | None,
-    now: float,
     timings: Timings,
 ) -> ReleaseOutcome:
     """Settle a run: free its slot (or its place in line) and name the waiters to wake.
@@ -417,26 +529,24 @@ def release(
     ``token=None`` settles whatever the run is (a waiter revoked, an operator release);
     with a token, a holder whose slot now has another owner is reported ``lost``.
     """
-    meta = tx.meta() or KeyMeta()
-    evicted = _housekeep(tx, now, timings, keep=run_id)
+    now = tx.now()
+    meta = _meta(tx, now)
+    done = _housekeep(tx, now, timings, keep=run_id)
+    evicted, removed = tuple(done.evicted), tuple(done.removed)
     run = tx.get_run(run_id)
-    if run is None:
+    if run is None or (token is not None and (run.state is not RunState.HOLDING or run.token != token)):
         # Settled already (idempotent: async interrupts settle twice) or taken from us.
-        lost = token is not None and tx.settled_generation(run_id, now) is None
-        wakes = _wakes(tx, meta, scope, key, now, skip=None) if evicted else []
-        _finish(tx, meta)
-        return ReleaseOutcome(released=False, lost=lost, wakes=tuple(wakes), evicted=tuple(evicted))
-    if token is not None and (run.state is not RunState.HOLDING or run.token != token):
-        wakes = _wakes(tx, meta, scope, key, now, skip=None) if evicted else []
-        _finish(tx, meta)
-        return ReleaseOutcome(released=False, lost=True, wakes=tuple(wakes), evicted=tuple(evicted))
+        lost = token is not None and (run is not None or tx.settled_generation(run_id, now) is None)
+        wakes = _wakes(tx, meta, scope, key, now, skip=None)
+        _finish(tx, meta, now, timings)
+        return ReleaseOutcome(released=False, lost=lost, wakes=tuple(wakes), evicted=evicted, removed=removed)
     tx.delete_run(run_id)
     settled = (
         run.holder_generation
         if run.state is RunState.HOLDING
         else (generation if generation is not None else -1)
     )
-    tx.mark_settled(run_id, settled, now + timings.settled_ttl, now)
+    tx.mark_settled(run_id, settled, now + timings.retention, now)
     wakes = _wakes(tx, meta, scope, key, now, skip=None)
-    _finish(tx, meta)
-    return ReleaseOutcome(released=True, wakes=tuple(wakes), evicted=tuple(evicted))
+    _finish(tx, meta, now, timings)
+    return ReleaseOutcome(released=True, wakes=tuple(wakes), evicted=evicted, removed=removed)

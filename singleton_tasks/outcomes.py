@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from .config import DEFAULT_LEASE, DEFAULT_MAX_RETRY_DELAY, DEFAULT_ORPHAN_TIMEOUT, DEFAULT_RETRY_JITTER
+
 
 @dataclass(frozen=True)
 class RunSpec:
@@ -15,8 +17,11 @@ class RunSpec:
     run_id: str
     limit: int = 1
     max_queue_depth: int | None = None
-    lease: float = 60.0
-    orphan_timeout: float | None = 600.0  # None: never evict, never pass over
+    lease: float = DEFAULT_LEASE
+    orphan_timeout: float | None = DEFAULT_ORPHAN_TIMEOUT  # None: never evict, never pass over
+    #: The longest a live waiter's copy may take to show up again: its worker's longest
+    #: re-check delay. A waiter unseen for ``orphan_timeout + recheck`` is passed over.
+    recheck: float = DEFAULT_MAX_RETRY_DELAY + DEFAULT_RETRY_JITTER
 
 
 class Registered(enum.Enum):
@@ -60,8 +65,9 @@ class ClaimOutcome:
     generation: int | None = None  # the generation to put on the deferred copy (GATED, BUSY)
     position: int | None = None  # 1-based place among waiters (GATED)
     takeover: bool = False  # ADMITTED over a holder whose lease had lapsed
-    evicted: tuple[str, ...] = ()
+    evicted: tuple[str, ...] = ()  # orphaned holders evicted by this call
     wakes: tuple[Wake, ...] = ()
+    removed: tuple[str, ...] = ()  # waiters unseen for long, removed by this call
 
 
 @dataclass(frozen=True)
@@ -70,6 +76,13 @@ class ReleaseOutcome:
     lost: bool = False  # another owner holds the slot now (SPEC §6)
     wakes: tuple[Wake, ...] = ()
     evicted: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class HeartbeatOutcome:
+    lost: tuple[str, ...]  # run ids that no longer hold their slot
+    store_time: float  # the store's clock when it extended the leases (epoch seconds)
 
 
 @dataclass(frozen=True)
@@ -97,6 +110,7 @@ class HolderView:
     heartbeat_at: float
     lease_expires_at: float
     executing: bool
+    phantom: bool = False  # an index entry whose run data is gone (a damaged store): evicted at once
 
 
 @dataclass(frozen=True)
@@ -106,6 +120,9 @@ class WaiterView:
     created_at: float
     state: RunState
     confirmed: bool
+    seen_at: float = 0.0  # the store's time when a live copy of the run was last seen
+    passed_over_at: float | None = None  # from then on it neither owns a slot nor counts (None: never)
+    phantom: bool = False
 
 
 @dataclass(frozen=True)

@@ -1,26 +1,38 @@
 """What both adapters share: one :class:`Gatekeeper` per worker or producer process.
 
 It resolves options (task config → adapter option → default), turns framework-neutral
-events into store calls with the library's clock, picks deferral delays, heartbeats the
-runs a process executes, and logs what operators need to see. The adapters only translate
-framework events into these calls.
+events into store calls, picks deferral delays, heartbeats the runs a process executes,
+and logs what operators need to see. The adapters only translate framework events into
+these calls. The store decides every deadline on its own clock; this process's clock only
+times deferrals (what the broker needs) and metrics.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
 import tempfile
 import threading
+import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from . import clock, metrics
-from .config import DISABLED, BoundSingleton
-from .errors import SingletonQueueFullError, StoreUnavailableError
+from .config import (
+    DEFAULT_LEASE,
+    DEFAULT_MAX_RETRY_DELAY,
+    DEFAULT_ORPHAN_TIMEOUT,
+    DEFAULT_RETRY_DELAY,
+    DEFAULT_RETRY_JITTER,
+    DISABLED,
+    BoundSingleton,
+    check_lease,
+)
+from .errors import SingletonConfigError, SingletonQueueFullError, StoreUnavailableError
 from .outcomes import (
     ClaimOutcome,
     Decision,
@@ -63,16 +75,42 @@ def resolve_store_url(store: str | None) -> str:
     return default_store_url()
 
 
+#: The store's clock and this process's may differ by this much before a worker warns.
+CLOCK_SKEW_WARNING = 1.0
+#: How often (seconds) a worker's background thread sweeps the store's expired state.
+SWEEP_INTERVAL = 300.0
+
+
 @dataclass(frozen=True)
 class WorkerOptions:
     """Worker-side timings, in seconds (SPEC §2)."""
 
-    retry_delay: float = 1.0
-    retry_jitter: float = 0.25
-    lease: float = 60.0
-    orphan_timeout: float | None = 600.0
-    heartbeat_interval: float | None = None  # default: a third of the lease
-    max_retry_delay: float = 10.0  # far-back waiters re-check at most this rarely (a wake comes first)
+    retry_delay: float = DEFAULT_RETRY_DELAY
+    retry_jitter: float = DEFAULT_RETRY_JITTER
+    lease: float = DEFAULT_LEASE
+    orphan_timeout: float | None = DEFAULT_ORPHAN_TIMEOUT
+    #: At most this long between two heartbeats (default: a third of the shortest lease held).
+    heartbeat_interval: float | None = None
+    max_retry_delay: float = DEFAULT_MAX_RETRY_DELAY  # far-back waiters re-check at most this rarely
+
+    def __post_init__(self) -> None:
+        check_lease(self.lease, "lease")
+        for name in ("retry_delay", "retry_jitter", "max_retry_delay"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                raise SingletonConfigError(f"{name} must be a number of seconds >= 0, got {value!r}")
+        interval = self.heartbeat_interval
+        if interval is not None and (
+            not isinstance(interval, (int, float)) or isinstance(interval, bool) or interval <= 0
+        ):
+            raise SingletonConfigError(
+                f"heartbeat_interval must be a positive number of seconds, got {interval!r}"
+            )
+
+    @property
+    def recheck(self) -> float:
+        """The longest a denied delivery waits for its re-check."""
+        return max(self.retry_delay, self.max_retry_delay) + self.retry_jitter
 
 
 class Gatekeeper:
@@ -88,6 +126,7 @@ class Gatekeeper:
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._heartbeater: _Heartbeater | None = None
+        self._spec_cache: dict[BoundSingleton, RunSpec] = {}
 
     # -- the store, one per process --------------------------------------------------------
     @property
@@ -118,26 +157,50 @@ class Gatekeeper:
             store.migrate()
         store.check_schema()
 
-    def check(self) -> None:
-        """Fail at worker start against a missing or incompatible schema (SPEC §8)."""
-        self._ensure_schema(self.store)
+    def check(self, singletons: Iterable[BoundSingleton] = ()) -> None:
+        """Worker start: fail against a missing or incompatible schema (SPEC §8); warn about the
+        clocks and a retention shorter than a task's lease and orphan timeout can bear."""
+        store = self.store
+        self._ensure_schema(store)
+        compare_clocks(store.time(), store)
+        for bound in singletons:
+            spec = self.spec_options(bound)
+            needed = spec.lease + (spec.orphan_timeout or 0.0)
+            if store.retention < needed:
+                logger.warning(
+                    "%s: the store's retention (%gs) is shorter than its lease + orphan_timeout (%gs): "
+                    "a waiter or settled marker may be forgotten while still needed (a late copy then "
+                    "re-queues instead of being recognised)",
+                    bound.task_name,
+                    store.retention,
+                    needed,
+                )
+        self.heartbeats.start()
 
     # -- options ---------------------------------------------------------------------------
-    def spec(
-        self, bound: BoundSingleton, run_id: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]
-    ) -> RunSpec:
-        """Derive the run's key (SingletonKeyError) and resolve its timings: config → adapter option."""
+    def spec_options(self, bound: BoundSingleton) -> RunSpec:
+        """The task's resolved options (config → adapter option → default), for no run in particular."""
         config = bound.config
         orphan = self.options.orphan_timeout if config.orphan_timeout is None else config.orphan_timeout
         return RunSpec(
             scope=bound.scope,
-            key=bound.derive_key(args, kwargs),
-            run_id=run_id,
+            key="",
+            run_id="",
             limit=config.limit,
             max_queue_depth=config.max_queue_depth,
             lease=config.lease if config.lease is not None else self.options.lease,
             orphan_timeout=None if orphan is None or orphan == DISABLED else float(orphan),
+            recheck=self.options.recheck,
         )
+
+    def spec(
+        self, bound: BoundSingleton, run_id: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> RunSpec:
+        """Derive the run's key (SingletonKeyError) and resolve its timings: config → adapter option."""
+        options = self._spec_cache.get(bound)
+        if options is None:
+            options = self._spec_cache[bound] = self.spec_options(bound)
+        return dataclasses.replace(options, key=bound.derive_key(args, kwargs), run_id=run_id)
 
     def deferral_delay(self, position: int | None, limit: int = 1) -> float:
         """~retry_delay ± jitter at the head of the line; rarer re-checks further back (SPEC §3)."""
@@ -158,7 +221,7 @@ class Gatekeeper:
     ) -> RegisterOutcome:
         """Enqueue: register a pending waiter or raise ``full_error`` (StoreUnavailableError passes)."""
         try:
-            outcome = self.store.register(spec, now=clock.now(), confirmed=confirmed)
+            outcome = self.store.register(spec, confirmed=confirmed)
         except StoreUnavailableError as error:
             # The store's message names the server; the caller also needs the task and the key.
             raise StoreUnavailableError(
@@ -177,14 +240,14 @@ class Gatekeeper:
         return outcome
 
     def confirm(self, spec: RunSpec) -> None:
-        self.store.confirm(spec.scope, spec.key, spec.run_id, now=clock.now())
+        self.store.confirm(spec.scope, spec.key, spec.run_id)
 
     def unregister(self, spec: RunSpec) -> None:
-        self.store.unregister(spec.scope, spec.key, spec.run_id, now=clock.now())
+        self.store.unregister(spec.scope, spec.key, spec.run_id)
 
     def park(self, task_name: str, spec: RunSpec, payload: bytes) -> tuple[Wake, ...]:
         """A run published held back waits gated with ``payload``; the caller publishes the wakes."""
-        wakes = self.store.park(spec.scope, spec.key, spec.run_id, payload, now=clock.now())
+        wakes = self.store.park(spec.scope, spec.key, spec.run_id, payload)
         metrics.observe_woken(task_name, len(wakes))
         return wakes
 
@@ -199,10 +262,11 @@ class Gatekeeper:
         woken_at: float | None = None,
     ) -> ClaimOutcome:
         """Gate: decide one delivery; the caller runs, defers or drops accordingly."""
-        now = clock.now()
-        outcome = self.store.claim(spec, generation, payload, now=now)
-        self._log_evictions(outcome.evicted, spec)
-        metrics.observe_claim(task_name, outcome, now=now, registered_at=registered_at, woken_at=woken_at)
+        outcome = self.store.claim(spec, generation, payload)
+        self._log_housekeeping(outcome.evicted, outcome.removed, spec)
+        metrics.observe_claim(
+            task_name, outcome, now=clock.now(), registered_at=registered_at, woken_at=woken_at
+        )
         metrics.observe_woken(task_name, len(outcome.wakes))
         if outcome.decision is Decision.ADMITTED:
             if outcome.takeover:
@@ -213,7 +277,9 @@ class Gatekeeper:
                     spec.key,
                     outcome.token,
                 )
-            self.heartbeats.track(HolderRef(spec.scope, spec.key, spec.run_id, outcome.token or 0))
+            self.heartbeats.track(
+                HolderRef(spec.scope, spec.key, spec.run_id, outcome.token or 0), spec.lease
+            )
         if logger.isEnabledFor(logging.DEBUG):  # every delivery passes here: build nothing when off
             logger.debug(
                 "%s run %s key %r gen %s: %s%s",
@@ -229,7 +295,7 @@ class Gatekeeper:
     def suspend(self, spec: RunSpec, token: int, delay: float) -> None:
         """A holder waits for its retry: stop heartbeating it, keep its slot."""
         self.heartbeats.untrack(spec.run_id)
-        if not self.store.suspend(spec.scope, spec.key, spec.run_id, token, now=clock.now(), delay=delay):
+        if not self.store.suspend(spec.scope, spec.key, spec.run_id, token, delay=delay):
             logger.error(
                 "run %s lost its slot of key %r before its retry (token %s)", spec.run_id, spec.key, token
             )
@@ -239,10 +305,8 @@ class Gatekeeper:
     ) -> ReleaseOutcome:
         """Settle: free the slot or the place in line; the caller publishes ``wakes``."""
         self.heartbeats.untrack(spec.run_id)
-        outcome = self.store.release(
-            spec.scope, spec.key, spec.run_id, token=token, generation=generation, now=clock.now()
-        )
-        self._log_evictions(outcome.evicted, spec)
+        outcome = self.store.release(spec.scope, spec.key, spec.run_id, token=token, generation=generation)
+        self._log_housekeeping(outcome.evicted, outcome.removed, spec)
         metrics.observe_release(task_name, outcome)
         metrics.observe_woken(task_name, len(outcome.wakes))
         if outcome.lost:
@@ -257,10 +321,19 @@ class Gatekeeper:
         return outcome
 
     @staticmethod
-    def _log_evictions(evicted: tuple[str, ...], spec: RunSpec) -> None:
+    def _log_housekeeping(evicted: tuple[str, ...], removed: tuple[str, ...], spec: RunSpec) -> None:
         for run_id in evicted:
             logger.warning(
                 "evicted orphaned holder %s of key %r (scope %r): its lease lapsed over orphan_timeout ago",
+                run_id,
+                spec.key,
+                spec.scope,
+            )
+        for run_id in removed:
+            logger.warning(
+                "removed waiter %s of key %r (scope %r): none of its copies showed up for longer than "
+                "its orphan timeout plus the store's retention (a lost broker message); a copy that "
+                "still comes is queued again at the back",
                 run_id,
                 spec.key,
                 spec.scope,
@@ -293,29 +366,70 @@ class Gatekeeper:
             self._store = None
 
 
+def compare_clocks(store_time: float, store: Store) -> float:
+    """Warn when the store's clock and this process's differ by more than CLOCK_SKEW_WARNING."""
+    skew = clock.now() - store_time
+    if abs(skew) > CLOCK_SKEW_WARNING:
+        logger.warning(
+            "this host's clock is %.1fs %s the clock of %r, which decides every lease and timeout: "
+            "the mutex holds, but deferred runs are re-checked up to that much late or early "
+            "(deferral delays are timed by the broker and the hosts); synchronise the clocks (NTP)",
+            abs(skew),
+            "ahead of" if skew > 0 else "behind",
+            store,
+        )
+    return skew
+
+
 class _Heartbeater:
-    """One thread per process: one batched store call per interval for all running holders."""
+    """One thread per process: one batched store call per interval for all running holders.
+
+    The interval follows the holders: at most a third of the shortest lease among them (task
+    overrides included), so each holder is heartbeated at least three times per its own lease.
+    The same thread retries settlements that failed on a store error and sweeps the store's
+    expired state now and then.
+    """
 
     def __init__(self, gatekeeper: Gatekeeper) -> None:
         self._gatekeeper = gatekeeper
         options = gatekeeper.options
-        self.interval = options.heartbeat_interval or max(0.05, options.lease / 3)
-        self._running: dict[str, HolderRef] = {}
+        self._ceiling = options.heartbeat_interval or options.lease / 3
+        self._running: dict[str, tuple[HolderRef, float]] = {}
         self._retries: list[tuple[Callable[[], object], str]] = []
         self._lock = threading.Lock()
-        self._stop = threading.Event()
+        self._changed = threading.Condition(self._lock)
+        self._stopped = False
         self._thread: threading.Thread | None = None
+        self._next_sweep = 0.0
+        self._skew_warned = 0.0
+
+    @property
+    def interval(self) -> float:
+        """Seconds until the next heartbeat: a third of the shortest lease held, at most."""
+        with self._lock:
+            return self._interval()
+
+    def _interval(self) -> float:
+        shortest = min((lease for _ref, lease in self._running.values()), default=None)
+        return self._ceiling if shortest is None else min(self._ceiling, shortest / 3)
+
+    def start(self) -> None:
+        with self._lock:
+            self._start()
 
     def _start(self) -> None:
         # Called with the lock held.
-        if self._thread is None:
+        if self._thread is None and not self._stopped:
             self._thread = threading.Thread(target=self._loop, name="singleton-heartbeat", daemon=True)
             self._thread.start()
 
-    def track(self, ref: HolderRef) -> None:
+    def track(self, ref: HolderRef, lease: float) -> None:
         with self._lock:
-            self._running[ref.run_id] = ref
+            shorter = lease / 3 < self._interval()
+            self._running[ref.run_id] = (ref, lease)
             self._start()
+            if shorter:
+                self._changed.notify()  # the thread sleeps for a longer interval: wake it
 
     def retry_later(self, action: Callable[[], object], what: str) -> None:
         with self._lock:
@@ -343,30 +457,50 @@ class _Heartbeater:
 
     def running(self) -> list[HolderRef]:
         with self._lock:
-            return list(self._running.values())
+            return [ref for ref, _lease in self._running.values()]
 
     def beat(self) -> list[str]:
         """One batched heartbeat now; returns the run ids that lost their slot."""
         holders = self.running()
         if not holders:
             return []
-        lost = self._gatekeeper.store.heartbeat(holders, now=clock.now())
-        for run_id in lost:
+        store = self._gatekeeper.store
+        outcome = store.heartbeat(holders)
+        if time.monotonic() >= self._skew_warned:
+            if abs(compare_clocks(outcome.store_time, store)) > CLOCK_SKEW_WARNING:
+                self._skew_warned = time.monotonic() + 600.0  # once per ten minutes is enough
+        for run_id in outcome.lost:
             logger.error("heartbeat: run %s lost its slot; another owner holds it now", run_id)
             self.untrack(run_id)
-        return lost
+        return list(outcome.lost)
+
+    def sweep(self) -> None:
+        """Forget the store's expired state (settled markers, idle keys) every SWEEP_INTERVAL."""
+        if time.monotonic() < self._next_sweep:
+            return
+        self._next_sweep = time.monotonic() + SWEEP_INTERVAL
+        swept = self._gatekeeper.store.sweep()
+        if swept:
+            logger.debug("swept %d expired records from the store", swept)
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                self.beat()
-            except Exception:  # a store outage must not kill the heartbeat thread
-                logger.exception("heartbeat failed; retrying in %.1fs", self.interval)
-            self.run_retries()
+        while True:
+            with self._lock:
+                if self._stopped:
+                    return
+                self._changed.wait(self._interval())
+                if self._stopped:
+                    return
+            for step in (self.beat, self.run_retries, self.sweep):
+                try:
+                    step()
+                except Exception:  # a store outage must not kill the heartbeat thread
+                    logger.exception("%s failed; retrying in %.1fs", step.__name__, self.interval)
 
     def stop(self) -> None:
-        self._stop.set()
         with self._lock:
+            self._stopped = True
+            self._changed.notify_all()
             dropped = [what for _action, what in self._retries]
         for what in dropped:
             logger.error("%s: given up at shutdown; freed when its lease and orphan timeout lapse", what)

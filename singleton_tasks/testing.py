@@ -43,6 +43,7 @@ The one test that uses freezegun is skipped when freezegun is not installed.
 
 from __future__ import annotations
 
+import datetime
 import itertools
 import os
 import shutil
@@ -55,7 +56,7 @@ import pytest
 
 from . import clock
 from .errors import SchemaVersionError
-from .gate import Timings
+from .gate import Timings, micros
 from .outcomes import (
     ClaimOutcome,
     Decision,
@@ -120,7 +121,10 @@ def spec(
     depth: int | None = None,
     lease: float = 60.0,
     orphan: float | None = 600.0,
+    recheck: float = 0.0,
 ) -> RunSpec:
+    """A run's spec; ``recheck`` (the worker's longest re-check delay) is 0 unless a test needs it,
+    so a waiter unseen for ``orphan`` seconds is passed over."""
     return RunSpec(
         scope=scope,
         key=key,
@@ -129,11 +133,42 @@ def spec(
         max_queue_depth=depth,
         lease=lease,
         orphan_timeout=orphan,
+        recheck=recheck,
     )
 
 
+class ManualClock:
+    """A clock a test sets by hand: pass it as a store's ``clock=`` option (test-only).
+
+    The store then decides every deadline at the time this returns instead of reading its own
+    clock (Redis ``TIME``, PostgreSQL ``clock_timestamp()``, the host clock), so a test can land
+    exactly on a deadline without sleeping.
+    """
+
+    def __init__(self, now: float = T0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def set(self, now: float) -> None:
+        self.now = now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def at(store: Store, now: float) -> Store:
+    """``store`` with its :class:`ManualClock` set to ``now``: ``at(store, T0 + 5).claim(...)``."""
+    clock = store.clock
+    if not isinstance(clock, ManualClock):
+        raise TypeError(f"{store!r} has no ManualClock: make it with clock=ManualClock()")
+    clock.set(now)
+    return store
+
+
 def one_key(store: Store, now: float, *, key: str = KEY, scope: str = SCOPE) -> KeySnapshot | None:
-    snaps = store.snapshot(now=now, scope=scope, key=key)
+    snaps = at(store, now).snapshot(scope=scope, key=key)
     assert len(snaps) <= 1, snaps
     if snaps:
         assert (snaps[0].scope, snaps[0].key) == (scope, key)
@@ -154,13 +189,13 @@ def waiters(store: Store, now: float, *, key: str = KEY, scope: str = SCOPE) -> 
 
 
 def registered(store: Store, run: RunSpec, now: float, *, confirmed: bool = True) -> None:
-    outcome = store.register(run, now=now, confirmed=confirmed)
+    outcome = at(store, now).register(run, confirmed=confirmed)
     assert outcome.status is Registered.REGISTERED, (run.run_id, outcome)
 
 
 def admitted(store: Store, run: RunSpec, generation: int, now: float, payload: bytes | None = None) -> int:
     """Claim and require admission; returns the fencing token."""
-    outcome = store.claim(run, generation, payload, now=now)
+    outcome = at(store, now).claim(run, generation, payload)
     assert outcome.decision is Decision.ADMITTED, (run.run_id, outcome)
     assert isinstance(outcome.token, int) and outcome.token > 0
     return outcome.token
@@ -176,7 +211,7 @@ def gated(
     position: int | None = None,
 ) -> ClaimOutcome:
     """Claim and require a gating (at ``position`` if given); the outcome has the deferral generation."""
-    outcome = store.claim(run, generation, payload, now=now)
+    outcome = at(store, now).claim(run, generation, payload)
     assert outcome.decision is Decision.GATED, (run.run_id, outcome)
     assert outcome.generation is not None and outcome.generation != generation
     if position is not None:
@@ -185,7 +220,7 @@ def gated(
 
 
 def stale(store: Store, run: RunSpec, generation: int, now: float) -> None:
-    outcome = store.claim(run, generation, None, now=now)
+    outcome = at(store, now).claim(run, generation, None)
     assert outcome.decision is Decision.STALE, (run.run_id, generation, outcome)
     assert outcome.token is None
 
@@ -202,15 +237,25 @@ def the_wake(wakes: Sequence[Wake], run_id: str) -> Wake:
 class StoreContract:
     """The contract every store keeps; subclass it and provide the ``store_factory`` fixture."""
 
+    @pytest.fixture
+    def make_store(self, store_factory: StoreFactory) -> StoreFactory:
+        """``store_factory`` with a :class:`ManualClock` for every store unless the test gives a clock."""
+
+        def make(namespace: str | None = None, **options: object) -> Store:
+            options.setdefault("clock", ManualClock())
+            return store_factory(namespace, **options)
+
+        return make
+
     # ---------------------------------------------------------------- order (SPEC §3.2)
 
     @pytest.mark.parametrize("clock_kind", ["moving", "frozen"])
-    def test_fifo_by_registration_order(self, store_factory: StoreFactory, clock_kind: str) -> None:
-        store = store_factory()
+    def test_fifo_by_registration_order(self, make_store: StoreFactory, clock_kind: str) -> None:
+        store = make_store()
         runs = [spec(f"run-{i}") for i in range(5)]
         times = [T0 + i if clock_kind == "moving" else T0 for i in range(5)]
-        for run, at in zip(runs, times, strict=True):
-            registered(store, run, at)
+        for run, moment in zip(runs, times, strict=True):
+            registered(store, run, moment)
         now = times[-1]
         # Delivered last-registered first: each later one waits behind all earlier ones.
         generations: dict[str, int] = {}
@@ -223,18 +268,18 @@ class StoreContract:
         assert waiters(store, now) == [f"run-{i}" for i in range(1, 5)]
         # Each release hands the slot to the next in registration order, and only to it.
         for i in range(1, 5):
-            release = store.release(SCOPE, KEY, runs[i - 1].run_id, token=tokens[-1], now=now)
+            release = at(store, now).release(SCOPE, KEY, runs[i - 1].run_id, token=tokens[-1])
             assert release.released and not release.lost
             wake = the_wake(release.wakes, runs[i].run_id)
             assert wake.payload == f"payload-{i}".encode()
             assert wake.generation != generations[runs[i].run_id]
             tokens.append(admitted(store, runs[i], wake.generation, now))
         assert tokens == sorted(set(tokens))
-        assert store.release(SCOPE, KEY, "run-4", token=tokens[-1], now=now).released
-        assert store.snapshot(now=now) == []
+        assert at(store, now).release(SCOPE, KEY, "run-4", token=tokens[-1]).released
+        assert at(store, now).snapshot() == []
 
-    def test_order_is_registration_order_not_clock_or_run_id(self, store_factory: StoreFactory) -> None:
-        store = store_factory()
+    def test_order_is_registration_order_not_clock_or_run_id(self, make_store: StoreFactory) -> None:
+        store = make_store()
         zz, aa, late = spec("zz"), spec("aa"), spec("00")
         registered(store, zz, T0 + 10)
         registered(store, aa, T0 + 5)  # a producer whose clock is behind: still second in line
@@ -246,13 +291,13 @@ class StoreContract:
         gated(store, late, 0, T0 + 13, b"00", position=2)
         assert holders(store, T0 + 13) == ["zz"]
         assert waiters(store, T0 + 13) == ["aa", "00"]
-        release = store.release(SCOPE, KEY, "zz", token=token, now=T0 + 14)
+        release = at(store, T0 + 14).release(SCOPE, KEY, "zz", token=token)
         wake = the_wake(release.wakes, "aa")
         assert wake.generation != aa_gen
         admitted(store, aa, wake.generation, T0 + 15)
 
-    def test_holders_keep_their_slots_and_limit_above_one(self, store_factory: StoreFactory) -> None:
-        store = store_factory()
+    def test_holders_keep_their_slots_and_limit_above_one(self, make_store: StoreFactory) -> None:
+        store = make_store()
         a, b, c, d, e = (spec(name, limit=3) for name in "abcde")
         for i, run in enumerate((a, b, c, d, e)):
             registered(store, run, T0 + i)
@@ -267,141 +312,150 @@ class StoreContract:
         assert sorted(holders(store, now)) == ["a", "b", "c"]
         assert len(set(tokens.values())) == 3
         assert waiters(store, now) == ["d", "e"]
-        release = store.release(SCOPE, KEY, "c", token=tokens["c"], now=now + 1)
+        release = at(store, now + 1).release(SCOPE, KEY, "c", token=tokens["c"])
         wake = the_wake(release.wakes, "d")
         assert wake.generation != d_gen and wake.payload == b"d"
         tokens["d"] = admitted(store, d, wake.generation, now + 2)
         assert tokens["d"] > max(tokens["a"], tokens["b"], tokens["c"])
-        release = store.release(SCOPE, KEY, "a", token=tokens["a"], now=now + 3)
+        release = at(store, now + 3).release(SCOPE, KEY, "a", token=tokens["a"])
         assert the_wake(release.wakes, "e").generation != e_gen
 
     # ---------------------------------------------------------------- backlog cap (SPEC §5)
 
     @pytest.mark.parametrize("depth", [0, 3])
-    def test_cap_is_exactly_limit_plus_depth(self, store_factory: StoreFactory, depth: int) -> None:
-        store = store_factory()
+    def test_cap_is_exactly_limit_plus_depth(self, make_store: StoreFactory, depth: int) -> None:
+        store = make_store()
         runs = [spec(f"r{i}", limit=2, depth=depth) for i in range(2 + depth + 1)]
         for i, run in enumerate(runs[:-1]):
-            outcome = store.register(run, now=T0 + i)
+            outcome = at(store, T0 + i).register(run)
             assert (outcome.status, outcome.in_flight) == (Registered.REGISTERED, i + 1)
-        before = store.snapshot(now=T0 + 50)
-        rejected = store.register(runs[-1], now=T0 + 50)
+        before = at(store, T0 + 50).snapshot()
+        rejected = at(store, T0 + 50).register(runs[-1])
         assert (rejected.status, rejected.in_flight) == (Registered.FULL, 2 + depth)
-        assert store.snapshot(now=T0 + 50) == before  # nothing written
+        assert at(store, T0 + 50).snapshot() == before  # nothing written
         # A run already registered is still a no-op at the cap, not a rejection.
-        assert store.register(runs[0], now=T0 + 50).status is Registered.EXISTS
+        assert at(store, T0 + 50).register(runs[0]).status is Registered.EXISTS
         # Admitted runs count as much as waiting ones.
         token = admitted(store, runs[0], 0, T0 + 51)
         admitted(store, runs[1], 0, T0 + 51)
-        assert store.register(runs[-1], now=T0 + 52).status is Registered.FULL
+        assert at(store, T0 + 52).register(runs[-1]).status is Registered.FULL
         assert waiters(store, T0 + 52) == [w.run_id for w in before[0].waiters[2:]]
         # A settled run frees its place in the count.
-        assert store.release(SCOPE, KEY, "r0", token=token, now=T0 + 53).released
-        accepted = store.register(runs[-1], now=T0 + 54)
+        assert at(store, T0 + 53).release(SCOPE, KEY, "r0", token=token).released
+        accepted = at(store, T0 + 54).register(runs[-1])
         assert (accepted.status, accepted.in_flight) == (Registered.REGISTERED, 2 + depth)
-        assert store.register(spec("one-more", limit=2, depth=depth), now=T0 + 55).status is Registered.FULL
+        assert at(store, T0 + 55).register(spec("one-more", limit=2, depth=depth)).status is Registered.FULL
 
-    def test_unbounded_backlog_by_default(self, store_factory: StoreFactory) -> None:
-        store = store_factory()
+    def test_unbounded_backlog_by_default(self, make_store: StoreFactory) -> None:
+        store = make_store()
         for i in range(30):
-            outcome = store.register(spec(f"r{i}"), now=T0)
+            outcome = at(store, T0).register(spec(f"r{i}"))
             assert (outcome.status, outcome.in_flight) == (Registered.REGISTERED, i + 1)
 
     # ---------------------------------------------------------------- registration (SPEC §3.1, §7)
 
-    def test_dedupe_by_run_id(self, store_factory: StoreFactory) -> None:
-        store = store_factory()
+    def test_dedupe_by_run_id(self, make_store: StoreFactory) -> None:
+        store = make_store()
         run = spec("r", depth=5)
         registered(store, run, T0)
-        before = store.snapshot(now=T0 + 1)
-        again = store.register(run, now=T0 + 1, confirmed=False)
+        before = at(store, T0 + 1).snapshot()
+        again = at(store, T0 + 1).register(run, confirmed=False)
         assert (again.status, again.in_flight) == (Registered.EXISTS, 1)
-        assert store.snapshot(now=T0 + 1) == before
+        assert at(store, T0 + 1).snapshot() == before
         generation = gated(store, spec("other", depth=5), 0, T0 + 2, position=2).generation
         assert generation is not None
         admitted(store, run, 0, T0 + 3)
-        before = store.snapshot(now=T0 + 4)
+        before = at(store, T0 + 4).snapshot()
         for run_id in ("r", "other"):  # holding, gated
-            again = store.register(spec(run_id, depth=5), now=T0 + 4)
+            again = at(store, T0 + 4).register(spec(run_id, depth=5))
             assert (again.status, again.in_flight) == (Registered.EXISTS, 2)
-        assert store.snapshot(now=T0 + 4) == before
+        assert at(store, T0 + 4).snapshot() == before
 
-    def test_confirm_and_unregister(self, store_factory: StoreFactory) -> None:
-        store = store_factory()
+    def test_confirm_and_unregister(self, make_store: StoreFactory) -> None:
+        store = make_store()
         registered(store, spec("a"), T0, confirmed=False)
         registered(store, spec("b"), T0 + 1, confirmed=False)
         snap = one_key(store, T0 + 1)
         assert snap is not None and [w.confirmed for w in snap.waiters] == [False, False]
         assert [w.state for w in snap.waiters] == [RunState.PENDING, RunState.PENDING]
         assert [w.created_at for w in snap.waiters] == [T0, T0 + 1]
-        assert store.confirm(SCOPE, KEY, "a", now=T0 + 2) is True
-        assert store.confirm(SCOPE, KEY, "a", now=T0 + 2) is True  # idempotent
-        assert store.confirm(SCOPE, KEY, "nobody", now=T0 + 2) is False
+        assert at(store, T0 + 2).confirm(SCOPE, KEY, "a") is True
+        assert at(store, T0 + 2).confirm(SCOPE, KEY, "a") is True  # idempotent
+        assert at(store, T0 + 2).confirm(SCOPE, KEY, "nobody") is False
         snap = one_key(store, T0 + 2)
         assert snap is not None and [w.confirmed for w in snap.waiters] == [True, False]
         # The failed publish of b is undone: b leaves no trace.
-        assert store.unregister(SCOPE, KEY, "b", now=T0 + 3) is True
+        assert at(store, T0 + 3).unregister(SCOPE, KEY, "b") is True
         assert waiters(store, T0 + 3) == ["a"]
-        assert store.unregister(SCOPE, KEY, "b", now=T0 + 3) is False
-        assert store.unregister(SCOPE, KEY, "nobody", now=T0 + 3) is False
+        assert at(store, T0 + 3).unregister(SCOPE, KEY, "b") is False
+        assert at(store, T0 + 3).unregister(SCOPE, KEY, "nobody") is False
         # Delivered runs (holders, gated waiters) are not undone by a late unregister.
         token = admitted(store, spec("a"), 0, T0 + 4)
         gated(store, spec("c"), 0, T0 + 4, position=1)
-        assert store.unregister(SCOPE, KEY, "a", now=T0 + 5) is False
-        assert store.unregister(SCOPE, KEY, "c", now=T0 + 5) is False
+        assert at(store, T0 + 5).unregister(SCOPE, KEY, "a") is False
+        assert at(store, T0 + 5).unregister(SCOPE, KEY, "c") is False
         assert holders(store, T0 + 5) == ["a"] and waiters(store, T0 + 5) == ["c"]
-        store.release(SCOPE, KEY, "a", token=token, now=T0 + 6)
-        store.release(SCOPE, KEY, "c", token=None, now=T0 + 6)
+        at(store, T0 + 6).release(SCOPE, KEY, "a", token=token)
+        at(store, T0 + 6).release(SCOPE, KEY, "c", token=None)
         registered(store, spec("d"), T0 + 7)
-        assert store.unregister(SCOPE, KEY, "d", now=T0 + 8) is True
-        assert store.snapshot(now=T0 + 8) == []
+        assert at(store, T0 + 8).unregister(SCOPE, KEY, "d") is True
+        assert at(store, T0 + 8).snapshot() == []
 
-    def test_unconfirmed_ghosts_expire_after_grace(self, store_factory: StoreFactory) -> None:
-        store = store_factory(timings=Timings(registration_grace=5.0))
+    def test_unpublished_registrations_are_passed_over_after_grace(self, make_store: StoreFactory) -> None:
+        store = make_store(timings=Timings(registration_grace=5.0, retention=1000.0))
         registered(store, spec("ghost", depth=0), T0, confirmed=False)
         # Within the grace the registration counts: it may still be published.
-        full = store.register(spec("r", depth=0), now=T0 + 1)
+        full = at(store, T0 + 1).register(spec("r", depth=0))
         assert (full.status, full.in_flight) == (Registered.FULL, 1)
-        # After it, it no longer counts nor blocks the line.
-        accepted = store.register(spec("r", depth=0), now=T0 + 6)
+        # After it, it no longer counts nor blocks the line, but it is kept (passed over).
+        accepted = at(store, T0 + 6).register(spec("r", depth=0))
         assert (accepted.status, accepted.in_flight) == (Registered.REGISTERED, 1)
         admitted(store, spec("r", depth=0), 0, T0 + 6)
-        assert waiters(store, T0 + 6) == []
-        # Another key: a ghost within the grace is ahead in line; a confirmed one never expires.
+        snap = one_key(store, T0 + 6)
+        assert snap is not None and [(w.run_id, w.passed_over_at) for w in snap.waiters] == [
+            ("ghost", T0 + 5)
+        ]
+        # Passed over for retention more, it is removed by the next call on its key.
+        assert at(store, T0 + 1005).claim(spec("r"), 0, None).removed == ()
+        assert at(store, T0 + 1005.5).claim(spec("r"), 0, None).removed == ("ghost",)
+        assert waiters(store, T0 + 1006) == []
+        # Another key: a ghost within the grace is ahead in line; a confirmed one is not one.
         registered(store, spec("ghost2", key="k2"), T0, confirmed=False)
         registered(store, spec("kept", key="k2"), T0, confirmed=False)
         registered(store, spec("r2", key="k2"), T0 + 1)
-        assert store.confirm(SCOPE, "k2", "kept", now=T0 + 2)
+        assert at(store, T0 + 2).confirm(SCOPE, "k2", "kept")
         generation = gated(store, spec("r2", key="k2"), 0, T0 + 2, position=3).generation
         assert generation is not None
-        generation = gated(store, spec("r2", key="k2"), generation, T0 + 10, position=2).generation
-        assert waiters(store, T0 + 10, key="k2") == ["kept", "r2"]
+        generation = gated(store, spec("r2", key="k2"), generation, T0 + 10, position=3).generation
+        assert waiters(store, T0 + 10, key="k2") == ["ghost2", "kept", "r2"]
         assert generation is not None
         admitted(store, spec("kept", key="k2"), 0, T0 + 11)
 
     def test_late_delivery_of_an_unconfirmed_registration_keeps_its_place(
-        self, store_factory: StoreFactory
+        self, make_store: StoreFactory
     ) -> None:
-        store = store_factory(timings=Timings(registration_grace=5.0))
+        store = make_store(timings=Timings(registration_grace=5.0))
         token = admitted(store, spec("h"), 0, T0)
         registered(store, spec("slow"), T0, confirmed=False)
         registered(store, spec("next"), T0 + 1)
         # Its message was published after all: delivered after the grace, it is no ghost.
         gated(store, spec("slow"), 0, T0 + 30, b"slow", position=1)
         assert waiters(store, T0 + 30) == ["slow", "next"]
-        wake = the_wake(store.release(SCOPE, KEY, "h", token=token, now=T0 + 31).wakes, "slow")
+        wake = the_wake(at(store, T0 + 31).release(SCOPE, KEY, "h", token=token).wakes, "slow")
         admitted(store, spec("slow"), wake.generation, T0 + 32)
 
-    def test_unregistered_delivery_is_registered_at_first_sight(self, store_factory: StoreFactory) -> None:
-        store = store_factory()
+    def test_unregistered_delivery_is_registered_at_first_sight(self, make_store: StoreFactory) -> None:
+        store = make_store()
         admitted(store, spec("sent-by-name"), 0, T0)
-        gated(store, spec("also-by-name"), 3, T0 + 1, position=1)
+        # A library copy the store does not know, issued within retention (a store that lost
+        # its data): registered too, never dropped.
+        gated(store, spec("also-by-name"), micros(T0 - 5), T0 + 1, position=1)
         assert waiters(store, T0 + 1) == ["also-by-name"]
 
     # ---------------------------------------------------------------- wakes and copies (SPEC §3.6, §3.7)
 
-    def test_release_wakes_exactly_the_gated_slot_owners(self, store_factory: StoreFactory) -> None:
-        store = store_factory()
+    def test_release_wakes_exactly_the_gated_slot_owners(self, make_store: StoreFactory) -> None:
+        store = make_store()
         h1, h2, w1, w2, w3 = (spec(name, limit=2) for name in ("h1", "h2", "w1", "w2", "w3"))
         for i, run in enumerate((h1, h2, w1, w2, w3)):
             registered(store, run, T0 + i)
@@ -411,29 +465,29 @@ class StoreContract:
         g1 = gated(store, w1, 0, T0 + 11, payload, position=1).generation
         g3 = gated(store, w3, 0, T0 + 11, b"w3", position=3).generation
         # One slot frees: the first gated waiter owns it, with its payload and a new generation.
-        release = store.release(SCOPE, KEY, "h1", token=t1, now=T0 + 12)
+        release = at(store, T0 + 12).release(SCOPE, KEY, "h1", token=t1)
         assert release.released and not release.lost
         assert release.wakes == (Wake(SCOPE, KEY, "w1", release.wakes[0].generation, payload),)
         assert release.wakes[0].generation != g1
         # The second slot belongs to w2, which was never delivered: its own message will come.
-        release = store.release(SCOPE, KEY, "h2", token=t2, now=T0 + 13)
+        release = at(store, T0 + 13).release(SCOPE, KEY, "h2", token=t2)
         assert release.released and release.wakes == ()
         t_w2 = admitted(store, w2, 0, T0 + 14)
         # w1 was woken already; w3 owns the slot w2 frees.
-        release = store.release(SCOPE, KEY, "w2", token=t_w2, now=T0 + 15)
+        release = at(store, T0 + 15).release(SCOPE, KEY, "w2", token=t_w2)
         assert the_wake(release.wakes, "w3").generation != g3
         assert the_wake(release.wakes, "w3").payload == b"w3"
 
     @pytest.mark.parametrize("first", ["woken", "delayed"])
-    def test_woken_copy_and_delayed_copy_run_once(self, store_factory: StoreFactory, first: str) -> None:
-        store = store_factory()
+    def test_woken_copy_and_delayed_copy_run_once(self, make_store: StoreFactory, first: str) -> None:
+        store = make_store()
         h, w = spec("h"), spec("w")
         registered(store, h, T0)
         registered(store, w, T0 + 1)
         token = admitted(store, h, 0, T0 + 2)
         delayed = gated(store, w, 0, T0 + 3, b"w", position=1).generation
         assert delayed is not None
-        wake = the_wake(store.release(SCOPE, KEY, "h", token=token, now=T0 + 4).wakes, "w")
+        wake = the_wake(at(store, T0 + 4).release(SCOPE, KEY, "h", token=token).wakes, "w")
         assert wake.generation not in (0, delayed)
         winner, loser = (wake.generation, delayed) if first == "woken" else (delayed, wake.generation)
         w_token = admitted(store, w, winner, T0 + 5)
@@ -441,72 +495,68 @@ class StoreContract:
         stale(store, w, 0, T0 + 6)  # the first delivery's copy
         assert holders(store, T0 + 6) == ["w"]
         # After settlement the other copies stay dead and leave nothing behind ...
-        assert store.release(SCOPE, KEY, "w", token=w_token, now=T0 + 7).released
+        assert at(store, T0 + 7).release(SCOPE, KEY, "w", token=w_token).released
         for generation in (loser, 0, 12345):
             stale(store, w, generation, T0 + 8)
-        assert store.snapshot(now=T0 + 8) == []
+        assert at(store, T0 + 8).snapshot() == []
         # ... while the admitted copy coming back (a re-driven dead letter) is a new claim.
         again = admitted(store, w, winner, T0 + 9)
         assert again > w_token
 
     @pytest.mark.parametrize("first", ["woken", "held back"])
-    def test_a_parked_registration_is_woken_and_runs_once(
-        self, store_factory: StoreFactory, first: str
-    ) -> None:
+    def test_a_parked_registration_is_woken_and_runs_once(self, make_store: StoreFactory, first: str) -> None:
         # A run published held back (delayed at enqueue, never delivered) waits gated with its
         # payload: a release wakes it like a deferred delivery, and its held-back copy stays
         # live as the fallback, so whichever copy comes first runs it, once.
-        store = store_factory()
+        store = make_store()
         h, w, x = spec("h"), spec("w"), spec("x")
         for i, run in enumerate((h, w, x)):
             registered(store, run, T0 + i)
         token = admitted(store, h, 0, T0 + 3)
         payload = b"\x00w\xff held back"
-        assert store.park(SCOPE, KEY, "w", payload, now=T0 + 4) == ()
-        assert store.park(SCOPE, KEY, "x", b"x", now=T0 + 4) == ()
+        assert at(store, T0 + 4).park(SCOPE, KEY, "w", payload) == ()
+        assert at(store, T0 + 4).park(SCOPE, KEY, "x", b"x") == ()
         snap = one_key(store, T0 + 4)
         assert snap is not None and [(v.run_id, v.state) for v in snap.waiters] == [
             ("w", RunState.GATED),
             ("x", RunState.GATED),
         ]
-        wake = the_wake(store.release(SCOPE, KEY, "h", token=token, now=T0 + 5).wakes, "w")
+        wake = the_wake(at(store, T0 + 5).release(SCOPE, KEY, "h", token=token).wakes, "w")
         assert wake.payload == payload and wake.generation != 0
         winner, loser = (wake.generation, 0) if first == "woken" else (0, wake.generation)
         w_token = admitted(store, w, winner, T0 + 6)
         stale(store, w, loser, T0 + 7)
         # x keeps its place behind w and is woken in turn with its own payload.
-        release = store.release(SCOPE, KEY, "w", token=w_token, now=T0 + 8)
+        release = at(store, T0 + 8).release(SCOPE, KEY, "w", token=w_token)
         assert the_wake(release.wakes, "x").payload == b"x"
 
-    def test_a_parked_registration_that_owns_a_free_slot_wakes_itself(
-        self, store_factory: StoreFactory
-    ) -> None:
+    def test_a_parked_registration_that_owns_a_free_slot_wakes_itself(self, make_store: StoreFactory) -> None:
         # The holder settled between the registration and the park: nobody else would wake it.
-        store = store_factory()
+        store = make_store()
         h, w = spec("h"), spec("w")
         registered(store, h, T0)
         registered(store, w, T0 + 1, confirmed=False)
         token = admitted(store, h, 0, T0 + 2)
-        release = store.release(SCOPE, KEY, "h", token=token, now=T0 + 3)
+        release = at(store, T0 + 3).release(SCOPE, KEY, "h", token=token)
         assert release.released and release.wakes == ()  # w is pending: its own copy will come
-        wake = the_wake(store.park(SCOPE, KEY, "w", b"w", now=T0 + 4), "w")
+        wake = the_wake(at(store, T0 + 4).park(SCOPE, KEY, "w", b"w"), "w")
         assert wake.payload == b"w"
         admitted(store, w, wake.generation, T0 + 5)
         # Parking confirmed it: it is no ghost once the grace has passed.
         assert holders(store, T0 + 600) == ["w"]
 
-    def test_only_a_pending_registration_is_parked(self, store_factory: StoreFactory) -> None:
-        store = store_factory()
+    def test_only_a_pending_registration_is_parked(self, make_store: StoreFactory) -> None:
+        store = make_store()
         h, w = spec("h"), spec("w")
         registered(store, h, T0)
         registered(store, w, T0 + 1)
         token = admitted(store, h, 0, T0 + 2)
-        assert store.park(SCOPE, KEY, "h", b"h", now=T0 + 3) == ()  # a holder
+        assert at(store, T0 + 3).park(SCOPE, KEY, "h", b"h") == ()  # a holder
         assert holders(store, T0 + 3) == ["h"]
         deferred = gated(store, w, 0, T0 + 3, b"delivered", position=1).generation
-        assert store.park(SCOPE, KEY, "w", b"parked", now=T0 + 4) == ()  # delivered already
-        assert store.park(SCOPE, KEY, "nobody", b"n", now=T0 + 4) == ()
-        wake = the_wake(store.release(SCOPE, KEY, "h", token=token, now=T0 + 5).wakes, "w")
+        assert at(store, T0 + 4).park(SCOPE, KEY, "w", b"parked") == ()  # delivered already
+        assert at(store, T0 + 4).park(SCOPE, KEY, "nobody", b"n") == ()
+        wake = the_wake(at(store, T0 + 5).release(SCOPE, KEY, "h", token=token).wakes, "w")
         assert wake.payload == b"delivered"
         assert deferred is not None
         stale(store, w, 0, T0 + 6)
@@ -514,12 +564,12 @@ class StoreContract:
         # A failed publish is undone before any park: the park then finds nothing to park.
         x = spec("x")
         registered(store, x, T0 + 7)
-        assert store.unregister(SCOPE, KEY, "x", now=T0 + 8)
-        assert store.park(SCOPE, KEY, "x", b"x", now=T0 + 9) == ()
+        assert at(store, T0 + 8).unregister(SCOPE, KEY, "x")
+        assert at(store, T0 + 9).park(SCOPE, KEY, "x", b"x") == ()
         assert waiters(store, T0 + 9) == ["w"]
 
-    def test_stale_copies_dropped_and_redriven_copy_queues(self, store_factory: StoreFactory) -> None:
-        store = store_factory()
+    def test_stale_copies_dropped_and_redriven_copy_queues(self, make_store: StoreFactory) -> None:
+        store = make_store()
         h, w, x = spec("h"), spec("w"), spec("x")
         token = admitted(store, h, 0, T0)
         g1 = gated(store, w, 0, T0 + 1, b"w", position=1).generation
@@ -528,25 +578,25 @@ class StoreContract:
         assert g2 is not None
         stale(store, w, 0, T0 + 3)  # superseded while waiting
         assert waiters(store, T0 + 3) == ["w"]
-        g3 = the_wake(store.release(SCOPE, KEY, "h", token=token, now=T0 + 4).wakes, "w").generation
+        g3 = the_wake(at(store, T0 + 4).release(SCOPE, KEY, "h", token=token).wakes, "w").generation
         w_token = admitted(store, w, g3, T0 + 5)
         for generation in (0, g1, g2):
             stale(store, w, generation, T0 + 6)
-        assert store.release(SCOPE, KEY, "w", token=w_token, now=T0 + 7).released
+        assert at(store, T0 + 7).release(SCOPE, KEY, "w", token=w_token).released
         for generation in (0, g1, g2):
             stale(store, w, generation, T0 + 8)
-        assert store.snapshot(now=T0 + 8) == []
+        assert at(store, T0 + 8).snapshot() == []
         # The re-driven admitted copy queues like any new run behind the current holder.
         admitted(store, x, 0, T0 + 9)
         gated(store, w, g3, T0 + 10, position=1)
         assert waiters(store, T0 + 10) == ["w"]
 
-    def test_revoked_waiter_copies_are_stale(self, store_factory: StoreFactory) -> None:
-        store = store_factory()
+    def test_revoked_waiter_copies_are_stale(self, make_store: StoreFactory) -> None:
+        store = make_store()
         admitted(store, spec("h"), 0, T0)
         generation = gated(store, spec("w"), 0, T0 + 1, position=1).generation
         assert generation is not None
-        release = store.release(SCOPE, KEY, "w", token=None, now=T0 + 2)
+        release = at(store, T0 + 2).release(SCOPE, KEY, "w", token=None)
         assert release.released and release.wakes == ()
         stale(store, spec("w"), generation, T0 + 3)
         stale(store, spec("w"), 0, T0 + 3)
@@ -554,88 +604,86 @@ class StoreContract:
 
     # ---------------------------------------------------------------- other deliveries (SPEC §4, §6)
 
-    def test_duplicate_of_an_executing_holder_is_busy(self, store_factory: StoreFactory) -> None:
-        store = store_factory()
+    def test_duplicate_of_an_executing_holder_is_busy(self, make_store: StoreFactory) -> None:
+        store = make_store()
         h = spec("h", lease=60.0)
         token = admitted(store, h, 0, T0)
-        busy = store.claim(h, 0, b"dup", now=T0 + 1)
+        busy = at(store, T0 + 1).claim(h, 0, b"dup")
         assert busy.decision is Decision.BUSY and busy.token is None
         assert busy.generation is not None and busy.generation != 0
         # The deferred duplicate comes back while the holder still runs: busy again.
-        again = store.claim(h, busy.generation, b"dup", now=T0 + 2)
+        again = at(store, T0 + 2).claim(h, busy.generation, b"dup")
         assert again.decision is Decision.BUSY
         assert again.generation is not None and again.generation not in (0, busy.generation)
         snap = one_key(store, T0 + 2)
         assert snap is not None and [(x.run_id, x.token) for x in snap.holders] == [("h", token)]
-        assert store.release(SCOPE, KEY, "h", token=token, now=T0 + 3).released
+        assert at(store, T0 + 3).release(SCOPE, KEY, "h", token=token).released
         stale(store, h, again.generation, T0 + 4)
-        assert store.snapshot(now=T0 + 4) == []
+        assert at(store, T0 + 4).snapshot() == []
 
-    def test_a_busy_copy_stays_live_until_its_deferral_is_published(
-        self, store_factory: StoreFactory
-    ) -> None:
+    def test_a_busy_copy_stays_live_until_its_deferral_is_published(self, make_store: StoreFactory) -> None:
         # A worker defers a busy duplicate (the claim names a new generation), then dies before
         # publishing that copy: the broker redelivers the old one, which must be deferred again,
         # not dropped as stale (nothing else would ever run the run again).
-        store = store_factory()
+        store = make_store()
         h = spec("h", lease=60.0)
         token = admitted(store, h, 0, T0)
-        first = store.claim(h, 0, b"dup", now=T0 + 1)
+        first = at(store, T0 + 1).claim(h, 0, b"dup")
         assert first.decision is Decision.BUSY and first.generation is not None
-        lost = store.claim(h, first.generation, b"dup", now=T0 + 2)  # its copy is never published
+        lost = at(store, T0 + 2).claim(h, first.generation, b"dup")  # its copy is never published
         assert lost.decision is Decision.BUSY
-        redelivered = store.claim(h, first.generation, b"dup", now=T0 + 3)
+        redelivered = at(store, T0 + 3).claim(h, first.generation, b"dup")
         assert redelivered.decision is Decision.BUSY
         assert redelivered.generation is not None
         # The holder's own copy keeps its slot through all of it.
         snap = one_key(store, T0 + 3)
         assert snap is not None and [(x.run_id, x.token) for x in snap.holders] == [("h", token)]
-        assert store.release(SCOPE, KEY, "h", token=token, now=T0 + 4).released
+        assert at(store, T0 + 4).release(SCOPE, KEY, "h", token=token).released
         stale(store, h, redelivered.generation, T0 + 5)
 
     def test_a_woken_waiter_without_payload_keeps_its_undeferred_copy_live(
-        self, store_factory: StoreFactory
+        self, make_store: StoreFactory
     ) -> None:
         # A waiter gated without a payload (Celery arguments JSON cannot carry) cannot be
         # published by its wake. If its deferred copy was never published (the worker died, or
         # the broker refused it), only the redelivered first copy is left to run it: a release
         # must not make that copy stale, or the run is lost and its key stuck behind it.
-        store = store_factory()
+        store = make_store()
         h, w = spec("h"), spec("w")
         registered(store, h, T0)
         registered(store, w, T0 + 1)
         token = admitted(store, h, 0, T0 + 2)
         deferred = gated(store, w, 0, T0 + 3, None, position=1).generation  # never published
-        wake = the_wake(store.release(SCOPE, KEY, "h", token=token, now=T0 + 4).wakes, "w")
+        wake = the_wake(at(store, T0 + 4).release(SCOPE, KEY, "h", token=token).wakes, "w")
         assert wake.payload is None
         w_token = admitted(store, w, 0, T0 + 5)  # the redelivered first copy
         assert holders(store, T0 + 5) == ["w"]
         assert deferred is not None
         stale(store, w, deferred, T0 + 6)
         stale(store, w, wake.generation, T0 + 6)
-        assert store.release(SCOPE, KEY, "w", token=w_token, now=T0 + 7).released
-        assert store.snapshot(now=T0 + 7) == []
+        assert at(store, T0 + 7).release(SCOPE, KEY, "w", token=w_token).released
+        assert at(store, T0 + 7).snapshot() == []
 
-    def test_a_woken_waiter_with_payload_drops_its_older_copies(self, store_factory: StoreFactory) -> None:
+    def test_a_woken_waiter_with_payload_drops_its_older_copies(self, make_store: StoreFactory) -> None:
         # With a payload the wake publishes the run itself, so copies older than its deferral die.
-        store = store_factory()
+        store = make_store()
         h, w = spec("h"), spec("w")
         token = admitted(store, h, 0, T0)
         deferred = gated(store, w, 0, T0 + 1, b"w", position=1).generation
         assert deferred is not None
-        wake = the_wake(store.release(SCOPE, KEY, "h", token=token, now=T0 + 2).wakes, "w")
+        wake = the_wake(at(store, T0 + 2).release(SCOPE, KEY, "h", token=token).wakes, "w")
         stale(store, w, 0, T0 + 3)
         admitted(store, w, wake.generation, T0 + 4)
 
-    def test_suspended_holder_is_readmitted_on_its_own_slot(self, store_factory: StoreFactory) -> None:
-        store = store_factory()
+    def test_suspended_holder_is_readmitted_on_its_own_slot(self, make_store: StoreFactory) -> None:
+        store = make_store()
         h, w = spec("h"), spec("w")
         token = admitted(store, h, 0, T0)
         generation = gated(store, w, 0, T0 + 1, position=1).generation
         assert generation is not None
-        assert store.suspend(SCOPE, KEY, "h", token + 1000, now=T0 + 2, delay=30.0) is False
-        assert store.suspend(SCOPE, KEY, "w", token, now=T0 + 2, delay=30.0) is False
-        assert store.suspend(SCOPE, KEY, "h", token, now=T0 + 2, delay=30.0) is True
+        assert at(store, T0 + 2).suspend(SCOPE, KEY, "h", token + 1000, delay=30.0) is False
+        assert at(store, T0 + 2).suspend(SCOPE, KEY, "w", token, delay=30.0) is False
+        assert at(store, T0 + 2).suspend(SCOPE, KEY, "h", token, delay=30.0) is True
         snap = one_key(store, T0 + 2)
         assert snap is not None and len(snap.holders) == 1
         assert snap.holders[0].executing is False
@@ -643,41 +691,41 @@ class StoreContract:
         # The slot stays the retrying run's ...
         gated(store, w, generation, T0 + 3, position=1)
         # ... and its retry is admitted at once, well within its lease, with a new token.
-        outcome = store.claim(h, 0, None, now=T0 + 32)
+        outcome = at(store, T0 + 32).claim(h, 0, None)
         assert outcome.decision is Decision.ADMITTED and outcome.takeover is False
         assert outcome.token is not None and outcome.token > token
         assert holders(store, T0 + 32) == ["h"]
 
-    def test_takeover_after_lease_lapse(self, store_factory: StoreFactory) -> None:
-        store = store_factory()
+    def test_takeover_after_lease_lapse(self, make_store: StoreFactory) -> None:
+        store = make_store()
         h = spec("h", lease=10.0)
         token = admitted(store, h, 0, T0)
-        assert store.claim(h, 0, None, now=T0 + 9.5).decision is Decision.BUSY
-        takeover = store.claim(h, 0, None, now=T0 + 10)  # the lease ends at T0 + 10
+        assert at(store, T0 + 9.5).claim(h, 0, None).decision is Decision.BUSY
+        takeover = at(store, T0 + 10).claim(h, 0, None)  # the lease ends at T0 + 10
         assert takeover.decision is Decision.ADMITTED and takeover.takeover is True
         assert takeover.token is not None and takeover.token > token
         snap = one_key(store, T0 + 10)
         assert snap is not None and [(x.run_id, x.token) for x in snap.holders] == [("h", takeover.token)]
         # The presumed-dead first copy learns it lost the slot.
-        assert store.heartbeat([HolderRef(SCOPE, KEY, "h", token)], now=T0 + 11) == ["h"]
-        lost = store.release(SCOPE, KEY, "h", token=token, now=T0 + 12)
+        assert at(store, T0 + 11).heartbeat([HolderRef(SCOPE, KEY, "h", token)]).lost == ("h",)
+        lost = at(store, T0 + 12).release(SCOPE, KEY, "h", token=token)
         assert lost.released is False and lost.lost is True
         assert holders(store, T0 + 12) == ["h"]
-        assert store.release(SCOPE, KEY, "h", token=takeover.token, now=T0 + 13).released
+        assert at(store, T0 + 13).release(SCOPE, KEY, "h", token=takeover.token).released
 
-    def test_release_with_another_holders_token_is_lost(self, store_factory: StoreFactory) -> None:
-        store = store_factory()
+    def test_release_with_another_holders_token_is_lost(self, make_store: StoreFactory) -> None:
+        store = make_store()
         ta = admitted(store, spec("a", limit=2), 0, T0)
         tb = admitted(store, spec("b", limit=2), 0, T0)
-        lost = store.release(SCOPE, KEY, "a", token=tb, now=T0 + 1)
+        lost = at(store, T0 + 1).release(SCOPE, KEY, "a", token=tb)
         assert lost.released is False and lost.lost is True
         assert sorted(holders(store, T0 + 1)) == ["a", "b"]
-        assert store.release(SCOPE, KEY, "a", token=ta, now=T0 + 2).released
+        assert at(store, T0 + 2).release(SCOPE, KEY, "a", token=ta).released
 
-    def test_orphaned_holder_evicted_and_next_waiter_woken(self, store_factory: StoreFactory) -> None:
-        store = store_factory()
+    def test_orphaned_holder_evicted_and_next_waiter_woken(self, make_store: StoreFactory) -> None:
+        store = make_store()
         h = spec("h", lease=10.0, orphan=100.0)
-        w1, w2 = spec("w1", lease=10.0, orphan=100.0), spec("w2", lease=10.0, orphan=100.0)
+        w1, w2 = spec("w1", lease=10.0, orphan=1000.0), spec("w2", lease=10.0, orphan=1000.0)
         token = admitted(store, h, 0, T0)
         g1 = gated(store, w1, 0, T0 + 1, b"w1", position=1).generation
         g2 = gated(store, w2, 0, T0 + 2, b"w2", position=2).generation
@@ -692,51 +740,51 @@ class StoreContract:
         assert wake.payload == b"w1" and wake.generation != g1
         assert holders(store, T0 + 110.5) == []
         admitted(store, w1, wake.generation, T0 + 111)
-        lost = store.release(SCOPE, KEY, "h", token=token, now=T0 + 112)
+        lost = at(store, T0 + 112).release(SCOPE, KEY, "h", token=token)
         assert lost.released is False and lost.lost is True
-        assert store.heartbeat([HolderRef(SCOPE, KEY, "h", token)], now=T0 + 112) == ["h"]
+        assert at(store, T0 + 112).heartbeat([HolderRef(SCOPE, KEY, "h", token)]).lost == ("h",)
 
-    def test_eviction_on_release_of_another_run(self, store_factory: StoreFactory) -> None:
-        store = store_factory()
+    def test_eviction_on_release_of_another_run(self, make_store: StoreFactory) -> None:
+        store = make_store()
         h = spec("h", lease=10.0, orphan=100.0)
-        w1, w2 = spec("w1", orphan=100.0), spec("w2", orphan=100.0)
+        w1, w2 = spec("w1", orphan=1000.0), spec("w2", orphan=1000.0)
         admitted(store, h, 0, T0)
         gated(store, w1, 0, T0 + 1, b"w1", position=1)
         gated(store, w2, 0, T0 + 2, b"w2", position=2)
-        release = store.release(SCOPE, KEY, "w2", token=None, now=T0 + 200)  # w2 revoked
+        release = at(store, T0 + 200).release(SCOPE, KEY, "w2", token=None)  # w2 revoked
         assert release.released and release.evicted == ("h",)
         assert the_wake(release.wakes, "w1").payload == b"w1"
 
-    def test_eviction_by_any_call_hands_the_slot_on(self, store_factory: StoreFactory) -> None:
+    def test_eviction_by_any_call_hands_the_slot_on(self, make_store: StoreFactory) -> None:
         """A busy duplicate, a stale copy or a lost release that evicts an orphan also wakes."""
         for case in ("busy", "stale", "lost"):
-            store = store_factory(namespace=None)
+            store = make_store(namespace=None)
             key = f"evict-{case}"
             orphan = spec("o", key=key, limit=2, lease=10.0, orphan=100.0)
             live = spec("l", key=key, limit=2, lease=1000.0, orphan=100.0)
-            waiter = spec("w", key=key, limit=2, orphan=100.0)
+            waiter = spec("w", key=key, limit=2, orphan=1000.0)
             admitted(store, orphan, 0, T0)
             live_token = admitted(store, live, 0, T0)
             gated(store, waiter, 0, T0 + 1, b"w", position=1)
             later = T0 + 200  # the orphan's lease ended at T0 + 10: evicted after T0 + 110
             outcome: ClaimOutcome | ReleaseOutcome
             if case == "busy":
-                outcome = store.claim(live, 0, None, now=later)
+                outcome = at(store, later).claim(live, 0, None)
                 assert outcome.decision is Decision.BUSY
             elif case == "stale":
                 gone = spec("gone", key=key, limit=2, orphan=100.0)
-                store.register(gone, now=T0)
-                store.release(SCOPE, key, "gone", token=None, generation=3, now=T0 + 2)
-                outcome = store.claim(gone, 4, None, now=later)
+                at(store, T0).register(gone)
+                at(store, T0 + 2).release(SCOPE, key, "gone", token=None, generation=3)
+                outcome = at(store, later).claim(gone, 4, None)
                 assert outcome.decision is Decision.STALE
             else:
-                outcome = store.release(SCOPE, key, "l", token=live_token + 99, now=later)
+                outcome = at(store, later).release(SCOPE, key, "l", token=live_token + 99)
                 assert outcome.lost
             assert outcome.evicted == ("o",), case
             assert the_wake(outcome.wakes, "w").payload == b"w", case
 
-    def test_orphan_timeout_none_never_evicts_nor_passes_over(self, store_factory: StoreFactory) -> None:
-        store = store_factory()
+    def test_orphan_timeout_none_never_evicts_nor_passes_over(self, make_store: StoreFactory) -> None:
+        store = make_store()
         h = spec("h", lease=10.0, orphan=None)
         w = spec("w", lease=10.0, orphan=None)
         admitted(store, h, 0, T0)
@@ -748,8 +796,8 @@ class StoreContract:
         registered(store, spec("p", key="k2", orphan=None), T0)
         gated(store, spec("q", key="k2", orphan=None), 0, T0 + 1e6, position=2)
 
-    def test_undelivered_waiter_passed_over_then_restored(self, store_factory: StoreFactory) -> None:
-        store = store_factory()
+    def test_undelivered_waiter_passed_over_then_restored(self, make_store: StoreFactory) -> None:
+        store = make_store()
         a, b, c = (spec(name, orphan=100.0) for name in "abc")
         registered(store, a, T0)  # its message is lost somewhere
         registered(store, b, T0 + 50)
@@ -760,103 +808,103 @@ class StoreContract:
         registered(store, c, T0 + 101)
         gated(store, c, 0, T0 + 102, b"c", position=2)
         a_gen = gated(store, a, 0, T0 + 103, b"a", position=1).generation
-        wake = the_wake(store.release(SCOPE, KEY, "b", token=token, now=T0 + 104).wakes, "a")
+        wake = the_wake(at(store, T0 + 104).release(SCOPE, KEY, "b", token=token).wakes, "a")
         assert wake.generation != a_gen and wake.payload == b"a"
 
-    def test_heartbeat_is_batched_and_reports_lost_slots(self, store_factory: StoreFactory) -> None:
-        store = store_factory()
+    def test_heartbeat_is_batched_and_reports_lost_slots(self, make_store: StoreFactory) -> None:
+        store = make_store()
         h1 = spec("h1", limit=2, lease=10.0)
         h3 = spec("h3", limit=2, lease=10.0)
         h2 = spec("h2", key="k2", lease=10.0)
         t1, t2, t3 = admitted(store, h1, 0, T0), admitted(store, h2, 0, T0), admitted(store, h3, 0, T0)
-        assert store.heartbeat([], now=T0 + 1) == []
+        assert at(store, T0 + 1).heartbeat([]).lost == ()
         refs = [
             HolderRef(SCOPE, KEY, "h1", t1),
             HolderRef(SCOPE, "k2", "h2", t2),
             HolderRef(SCOPE, KEY, "h3", t3 + 1000),  # not its token
             HolderRef(SCOPE, "k2", "nobody", t2),
         ]
-        assert sorted(store.heartbeat(refs, now=T0 + 8)) == ["h3", "nobody"]
+        assert sorted(at(store, T0 + 8).heartbeat(refs).lost) == ["h3", "nobody"]
         snap1, snap2 = one_key(store, T0 + 8), one_key(store, T0 + 8, key="k2")
         assert snap1 is not None and snap2 is not None
         leases = {x.run_id: (x.heartbeat_at, x.lease_expires_at) for x in snap1.holders + snap2.holders}
         assert leases == {"h1": (T0 + 8, T0 + 18), "h2": (T0 + 8, T0 + 18), "h3": (T0, T0 + 10)}
         # Heartbeated holders are still executing past their first lease; h3 is taken over.
-        assert store.claim(h1, 0, None, now=T0 + 15).decision is Decision.BUSY
-        assert store.claim(h2, 0, None, now=T0 + 15).decision is Decision.BUSY
-        takeover = store.claim(h3, 0, None, now=T0 + 15)
+        assert at(store, T0 + 15).claim(h1, 0, None).decision is Decision.BUSY
+        assert at(store, T0 + 15).claim(h2, 0, None).decision is Decision.BUSY
+        takeover = at(store, T0 + 15).claim(h3, 0, None)
         assert takeover.decision is Decision.ADMITTED and takeover.takeover
 
-    def test_operator_release(self, store_factory: StoreFactory) -> None:
-        store = store_factory()
+    def test_operator_release(self, make_store: StoreFactory) -> None:
+        store = make_store()
         admitted(store, spec("h"), 0, T0)
         gated(store, spec("w"), 0, T0 + 1, b"w", position=1)
         registered(store, spec("p", key="k2"), T0 + 2)
-        outcome = store.operator_release("h", now=T0 + 3)
+        outcome = at(store, T0 + 3).operator_release("h")
         assert outcome is not None and outcome.released
         assert the_wake(outcome.wakes, "w").payload == b"w"
-        assert store.operator_release("nobody", now=T0 + 3) is None
-        outcome = store.operator_release("p", now=T0 + 4)
+        assert at(store, T0 + 3).operator_release("nobody") is None
+        outcome = at(store, T0 + 4).operator_release("p")
         assert outcome is not None and outcome.released
         assert one_key(store, T0 + 4, key="k2") is None
         stale(store, spec("p", key="k2"), 0, T0 + 5)
 
-    def test_release_is_idempotent(self, store_factory: StoreFactory) -> None:
-        store = store_factory()
+    def test_release_is_idempotent(self, make_store: StoreFactory) -> None:
+        store = make_store()
         token = admitted(store, spec("h"), 0, T0)
-        first = store.release(SCOPE, KEY, "h", token=token, now=T0 + 1)
+        first = at(store, T0 + 1).release(SCOPE, KEY, "h", token=token)
         assert first.released and not first.lost
-        second = store.release(SCOPE, KEY, "h", token=token, now=T0 + 2)
+        second = at(store, T0 + 2).release(SCOPE, KEY, "h", token=token)
         assert (second.released, second.lost, second.wakes) == (False, False, ())
         registered(store, spec("w"), T0 + 3)
-        assert store.release(SCOPE, KEY, "w", token=None, now=T0 + 4).released
-        third = store.release(SCOPE, KEY, "w", token=None, now=T0 + 5)
+        assert at(store, T0 + 4).release(SCOPE, KEY, "w", token=None).released
+        third = at(store, T0 + 5).release(SCOPE, KEY, "w", token=None)
         assert (third.released, third.lost) == (False, False)
 
     # ---------------------------------------------------------------- isolation and data (SPEC §8)
 
-    def test_namespaces_isolate(self, store_factory: StoreFactory) -> None:
+    def test_namespaces_isolate(self, make_store: StoreFactory) -> None:
         tag = uuid.uuid4().hex[:10]
-        left, right = store_factory(namespace=f"left{tag}"), store_factory(namespace=f"right{tag}")
+        left, right = make_store(namespace=f"left{tag}"), make_store(namespace=f"right{tag}")
         registered(left, spec("a"), T0)
         registered(right, spec("a"), T0)  # same scope, key and run id: another application
         registered(right, spec("b"), T0)
         admitted(left, spec("a"), 0, T0 + 1)
         admitted(right, spec("a"), 0, T0 + 1)
-        seen = [(s.key, [h.run_id for h in s.holders]) for s in left.snapshot(now=T0 + 1)]
+        seen = [(s.key, [h.run_id for h in s.holders]) for s in at(left, T0 + 1).snapshot()]
         assert seen == [(KEY, ["a"])] and waiters(left, T0 + 1) == []
         assert waiters(right, T0 + 1) == ["b"]
-        assert left.operator_release("b", now=T0 + 2) is None
-        assert right.operator_release("b", now=T0 + 2) is not None
-        assert left.snapshot(now=T0 + 2) != [] and waiters(right, T0 + 2) == []
+        assert at(left, T0 + 2).operator_release("b") is None
+        assert at(right, T0 + 2).operator_release("b") is not None
+        assert at(left, T0 + 2).snapshot() != [] and waiters(right, T0 + 2) == []
 
-    def test_same_namespace_shares(self, store_factory: StoreFactory) -> None:
+    def test_same_namespace_shares(self, make_store: StoreFactory) -> None:
         named = f"shared{uuid.uuid4().hex[:10]}"
         pairs = [
-            (store_factory(), store_factory()),
-            (store_factory(namespace=named), store_factory(namespace=named)),
+            (make_store(), make_store()),
+            (make_store(namespace=named), make_store(namespace=named)),
         ]
         for one, two in pairs:
             registered(one, spec("a"), T0)
-            assert two.register(spec("a"), now=T0).status is Registered.EXISTS
+            assert at(two, T0).register(spec("a")).status is Registered.EXISTS
             token = admitted(two, spec("a"), 0, T0 + 1)
             assert holders(one, T0 + 1) == ["a"]
             gated(one, spec("b"), 0, T0 + 2, position=1)
-            assert the_wake(two.release(SCOPE, KEY, "a", token=token, now=T0 + 3).wakes, "b")
-            one.release(SCOPE, KEY, "b", token=None, now=T0 + 4)
+            assert the_wake(at(two, T0 + 3).release(SCOPE, KEY, "a", token=token).wakes, "b")
+            at(one, T0 + 4).release(SCOPE, KEY, "b", token=None)
 
-    def test_empty_key_leaves_nothing_but_its_token_counter(self, store_factory: StoreFactory) -> None:
-        store = store_factory()
+    def test_empty_key_leaves_nothing_but_its_token_counter(self, make_store: StoreFactory) -> None:
+        store = make_store()
         token = admitted(store, spec("a"), 0, T0)
         gated(store, spec("b"), 0, T0 + 1, position=1)
-        store.release(SCOPE, KEY, "b", token=None, now=T0 + 2)
-        store.release(SCOPE, KEY, "a", token=token, now=T0 + 3)
-        assert store.snapshot(now=T0 + 3) == []
-        assert store.snapshot(now=T0 + 3, scope=SCOPE, key=KEY) == []
+        at(store, T0 + 2).release(SCOPE, KEY, "b", token=None)
+        at(store, T0 + 3).release(SCOPE, KEY, "a", token=token)
+        assert at(store, T0 + 3).snapshot() == []
+        assert at(store, T0 + 3).snapshot(scope=SCOPE, key=KEY) == []
         stale(store, spec("b"), 0, T0 + 4)  # a dropped copy writes nothing either
         registered(store, spec("c"), T0 + 5)
-        assert store.unregister(SCOPE, KEY, "c", now=T0 + 6)
-        assert store.snapshot(now=T0 + 6) == []
+        assert at(store, T0 + 6).unregister(SCOPE, KEY, "c")
+        assert at(store, T0 + 6).snapshot() == []
         # After a long idle (every settled marker expired), tokens still only go up.
         later = T0 + 10 * 86400
         second = admitted(store, spec("d"), 0, later)
@@ -864,8 +912,8 @@ class StoreContract:
         snap = one_key(store, later)
         assert snap is not None and snap.token == second
 
-    def test_fencing_tokens_strictly_increase_per_key(self, store_factory: StoreFactory) -> None:
-        store = store_factory()
+    def test_fencing_tokens_strictly_increase_per_key(self, make_store: StoreFactory) -> None:
+        store = make_store()
         seen: dict[str, list[int]] = {KEY: [], "k2": []}
         now = T0
         for round_ in range(3):
@@ -873,28 +921,28 @@ class StoreContract:
                 run = spec(f"{key}-{round_}", key=key, limit=2, lease=5.0)
                 token = admitted(store, run, 0, now)
                 seen[key].append(token)
-                assert store.suspend(SCOPE, key, run.run_id, token, now=now, delay=1.0)
+                assert at(store, now).suspend(SCOPE, key, run.run_id, token, delay=1.0)
                 token = admitted(store, run, 0, now + 1)  # the retry
                 seen[key].append(token)
-                takeover = store.claim(run, 0, None, now=now + 7)  # lease lapsed: redelivered
+                takeover = at(store, now + 7).claim(run, 0, None)  # lease lapsed: redelivered
                 assert takeover.decision is Decision.ADMITTED and takeover.token is not None
                 seen[key].append(takeover.token)
-                assert store.release(SCOPE, key, run.run_id, token=takeover.token, now=now + 8).released
+                assert at(store, now + 8).release(SCOPE, key, run.run_id, token=takeover.token).released
             now += 10
         for tokens in seen.values():
             assert all(a < b for a, b in itertools.pairwise(tokens)), tokens
 
-    def test_scopes_isolate_keys_of_the_same_text(self, store_factory: StoreFactory) -> None:
-        store = store_factory()
+    def test_scopes_isolate_keys_of_the_same_text(self, make_store: StoreFactory) -> None:
+        store = make_store()
         pairs = [("s1", "k"), ("s2", "k"), ("a:b", "c"), ("a", "b:c"), ("a", "b"), ("a:", "b"), ("a", ":b")]
         for scope, key in pairs:
             admitted(store, spec("same-run-id", scope=scope, key=key), 0, T0)
-        snaps = store.snapshot(now=T0)
+        snaps = at(store, T0).snapshot()
         assert sorted((s.scope, s.key) for s in snaps) == sorted(pairs)
         assert all([h.run_id for h in s.holders] == ["same-run-id"] for s in snaps)
-        in_a = sorted((s.scope, s.key) for s in store.snapshot(now=T0, scope="a"))
+        in_a = sorted((s.scope, s.key) for s in at(store, T0).snapshot(scope="a"))
         assert in_a == sorted([("a", "b:c"), ("a", "b"), ("a", ":b")])
-        assert [(s.scope, s.key) for s in store.snapshot(now=T0, scope="a", key="b")] == [("a", "b")]
+        assert [(s.scope, s.key) for s in at(store, T0).snapshot(scope="a", key="b")] == [("a", "b")]
 
     KEYS_AS_DATA: tuple[str, ...] = (
         "{braces}",
@@ -925,12 +973,12 @@ class StoreContract:
 
     KEYS_WITH_NUL: tuple[str, ...] = ("\0", "nul\0inside", "' ; -- ]] [[ \0?", "nul\0")
 
-    def test_keys_are_data(self, store_factory: StoreFactory) -> None:
-        self._keys_round_trip(store_factory(), self.KEYS_AS_DATA)
+    def test_keys_are_data(self, make_store: StoreFactory) -> None:
+        self._keys_round_trip(make_store(), self.KEYS_AS_DATA)
 
-    def test_keys_with_nul_are_data(self, store_factory: StoreFactory) -> None:
+    def test_keys_with_nul_are_data(self, make_store: StoreFactory) -> None:
         # A key is any str (SPEC §2); NUL is where C strings and SQL text columns cut it short.
-        self._keys_round_trip(store_factory(), self.KEYS_WITH_NUL)
+        self._keys_round_trip(make_store(), self.KEYS_WITH_NUL)
 
     def _keys_round_trip(self, store: Store, keys: Sequence[str]) -> None:
         assert len(set(keys)) == len(keys)
@@ -939,7 +987,7 @@ class StoreContract:
             registered(store, spec(key, key=key), T0)  # the run id is the same text
             tokens[key] = admitted(store, spec(key, key=key), 0, T0 + 1)
             gated(store, spec(f"w{i}", key=key), 0, T0 + 2, key.encode(), position=1)
-        snaps = store.snapshot(now=T0 + 3)
+        snaps = at(store, T0 + 3).snapshot()
         assert sorted(s.key for s in snaps) == sorted(keys)
         for i, key in enumerate(keys):
             snap = one_key(store, T0 + 3, key=key)
@@ -947,18 +995,18 @@ class StoreContract:
             assert [h.run_id for h in snap.holders] == [key]
             assert [w.run_id for w in snap.waiters] == [f"w{i}"]
         for i, key in enumerate(keys):
-            release = store.release(SCOPE, key, key, token=tokens[key], now=T0 + 4)
+            release = at(store, T0 + 4).release(SCOPE, key, key, token=tokens[key])
             assert release.released
             wake = the_wake(release.wakes, f"w{i}")
             assert (wake.scope, wake.key, wake.payload) == (SCOPE, key, key.encode())
         weird_scope = "scope ' ; -- {x} \n 🦄"
         admitted(store, spec("r", scope=weird_scope, key="' ; --"), 0, T0 + 5)
-        assert [(s.scope, s.key) for s in store.snapshot(now=T0 + 5, scope=weird_scope)] == [
+        assert [(s.scope, s.key) for s in at(store, T0 + 5).snapshot(scope=weird_scope)] == [
             (weird_scope, "' ; --")
         ]
 
-    def test_times_round_trip_exactly(self, store_factory: StoreFactory) -> None:
-        store = store_factory()
+    def test_times_round_trip_exactly(self, make_store: StoreFactory) -> None:
+        store = make_store()
         registered_at = 1764680000.123456  # time.time() precision survives the store
         admitted_at = registered_at + 0.000001
         registered(store, spec("a"), registered_at)
@@ -972,8 +1020,8 @@ class StoreContract:
         assert holder.lease_expires_at == admitted_at + 60.0
         assert holder.executing is True
 
-    def test_snapshot_filters_and_shows_limit_and_token(self, store_factory: StoreFactory) -> None:
-        store = store_factory()
+    def test_snapshot_filters_and_shows_limit_and_token(self, make_store: StoreFactory) -> None:
+        store = make_store()
         token = admitted(store, spec("a", limit=3), 0, T0)
         registered(store, spec("b", limit=3), T0 + 1)
         admitted(store, spec("c", scope="other"), 0, T0)
@@ -981,15 +1029,15 @@ class StoreContract:
         assert snap is not None
         assert (snap.limit, snap.token) == (3, token)
         assert [w.state for w in snap.waiters] == [RunState.PENDING]
-        everything = sorted((s.scope, s.key) for s in store.snapshot(now=T0 + 2))
+        everything = sorted((s.scope, s.key) for s in at(store, T0 + 2).snapshot())
         assert everything == [(SCOPE, KEY), ("other", KEY)]
-        assert [s.scope for s in store.snapshot(now=T0 + 2, scope="other")] == ["other"]
-        assert store.snapshot(now=T0 + 2, key="missing") == []
+        assert [s.scope for s in at(store, T0 + 2).snapshot(scope="other")] == ["other"]
+        assert at(store, T0 + 2).snapshot(key="missing") == []
 
     # ---------------------------------------------------------------- schema and time (SPEC §8)
 
-    def test_schema_version_mismatch_is_refused(self, store_factory: StoreFactory) -> None:
-        store = store_factory()
+    def test_schema_version_mismatch_is_refused(self, make_store: StoreFactory) -> None:
+        store = make_store()
         store.check_schema()
         assert store.schema_version() == SCHEMA_VERSION
         setter = getattr(store, "set_schema_version_for_tests", None)
@@ -1004,20 +1052,113 @@ class StoreContract:
             setter(SCHEMA_VERSION)
         store.check_schema()
 
-    def test_frozen_clock(self, store_factory: StoreFactory) -> None:
+    def test_decisions_use_the_store_clock_not_the_callers(self, store_factory: StoreFactory) -> None:
+        """Without a test clock a store decides on its own clock; a caller's skewed clock changes nothing.
+
+        A one-host store's clock is the host's (``clock_source = "host"``): it follows freezegun.
+        A server's clock (``"server"``) is shared by every host: callers skewed by ±900 s or
+        +59 s still see a live lease as live and an unpublished registration within its grace.
+        """
         freezegun = pytest.importorskip("freezegun")
-        store = store_factory()
-        a, b = spec("a", lease=10.0), spec("b", lease=10.0)
-        with freezegun.freeze_time("2026-12-02 12:00:00") as frozen:
-            registered(store, a, clock.now())
-            registered(store, b, clock.now())  # the same instant: order still holds
-            gated(store, b, 0, clock.now(), position=2)
-            token = admitted(store, a, 0, clock.now())
-            frozen.tick(9.0)
-            assert store.claim(a, 0, None, now=clock.now()).decision is Decision.BUSY
-            frozen.tick(2.0)
-            takeover = store.claim(a, 0, None, now=clock.now())
-            assert takeover.decision is Decision.ADMITTED and takeover.takeover
-            assert takeover.token is not None and takeover.token > token
-            snap = one_key(store, clock.now())
-            assert snap is not None and snap.holders[0].admitted_at == clock.now()
+        store = store_factory()  # its own clock
+        if store.clock_source == "host":
+            with freezegun.freeze_time("2026-12-02 12:00:00"):
+                assert store.time() == clock.now()
+            return
+        assert store.clock_source == "server", store.clock_source
+        real = store.time()
+        assert abs(real - clock.now()) < 60, "this test expects the server and the test host to agree"
+        h = spec("h", lease=30.0, orphan=100.0)
+        ghost = spec("ghost", key="k2", depth=0)
+        ignore = ["redis", "psycopg", "psycopg_pool", "hiredis"]
+        for skew in (900.0, -900.0, 59.0):
+            host_clock = datetime.datetime.fromtimestamp(real + skew, tz=datetime.timezone.utc)
+            with freezegun.freeze_time(host_clock, tick=True, ignore=ignore):
+                first = store.claim(h, 0, None)
+                if skew == 900.0:
+                    assert first.decision is Decision.ADMITTED
+                    store.register(ghost, confirmed=False)
+                else:  # the holder of the first pass still runs under its live lease
+                    assert first.decision is Decision.BUSY, (skew, first)
+                # A busy duplicate never takes over a live lease, whatever the caller's clock.
+                assert store.claim(h, 0, None).decision is Decision.BUSY, skew
+                beat = store.heartbeat([HolderRef(SCOPE, KEY, "h", first.token or 0)] if first.token else [])
+                assert abs(beat.store_time - real) < 30, (skew, beat.store_time, real)
+                # The unpublished registration is within its grace on the store's clock.
+                assert store.register(spec("next", key="k2", depth=0)).status is Registered.FULL, skew
+        snap = store.snapshot(scope=SCOPE, key=KEY)[0]
+        assert abs(snap.holders[0].admitted_at - real) < 30
+
+    # ---------------------------------------------------------------- every waiter live or gone (SPEC §6)
+
+    @pytest.mark.parametrize("state", ["pending", "gated", "woken"])
+    def test_a_waiter_unseen_too_long_is_passed_over_then_removed(
+        self, make_store: StoreFactory, state: str
+    ) -> None:
+        """A lost broker message never sticks a key, whatever state its run was in."""
+        store = make_store(timings=Timings(retention=500.0))
+        lost, later = spec("lost", orphan=100.0, recheck=10.0), spec("later", orphan=None)
+        token = admitted(store, spec("h", orphan=None), 0, T0)
+        registered(store, lost, T0)
+        seen, generation = T0, 0
+        if state != "pending":
+            gated_outcome = gated(store, lost, 0, T0 + 1, b"lost", position=1)
+            seen, generation = T0 + 1, gated_outcome.generation or 0
+        if state == "woken":
+            release = at(store, T0 + 2).release(SCOPE, KEY, "h", token=token)
+            generation = the_wake(release.wakes, "lost").generation
+        later_gen = gated(store, later, 0, T0 + 3, b"later", position=2).generation
+        passed = seen + 110.0  # its orphan_timeout + recheck since it was last seen
+        capped = spec("capped", depth=1 if state == "woken" else 2)  # the key is at its cap
+        # Until then its copies may still come: it counts against the cap and owns its place.
+        assert at(store, passed).register(capped).status is Registered.FULL
+        # Then it is passed over: the capped key accepts a send again, and the slot goes on.
+        assert at(store, passed + 0.5).register(capped).status is Registered.REGISTERED
+        if state != "woken":
+            release = at(store, passed + 0.5).release(SCOPE, KEY, "h", token=token)
+            later_gen = the_wake(release.wakes, "later").generation
+        assert later_gen is not None
+        admitted(store, later, later_gen, passed + 0.5)
+        # A live copy that shows up after all is no stale copy: it takes its place (first) again.
+        assert waiters(store, passed + 0.5)[0] == "lost"
+        outcome = at(store, passed + 1).claim(lost, generation, b"lost")
+        assert outcome.decision is Decision.GATED and outcome.position == 1, outcome
+        # Unseen again for orphan + recheck and then retention: removed by a call on its key.
+        gone = passed + 1 + 110.0 + 500.0
+        assert at(store, gone).claim(capped, 0, None).removed == ()
+        assert at(store, gone + 0.5).claim(capped, 0, None).removed == ("lost",)
+        assert "lost" not in waiters(store, gone + 0.5)
+
+    # ---------------------------------------------------------------- retention and tokens (SPEC §8)
+
+    def test_tokens_keep_increasing_after_the_key_is_forgotten(self, make_store: StoreFactory) -> None:
+        store = make_store(timings=Timings(retention=100.0))
+        first = admitted(store, spec("a"), 0, T0)
+        assert at(store, T0 + 1).release(SCOPE, KEY, "a", token=first).released
+        assert at(store, T0 + 1).snapshot() == []
+        at(store, T0 + 102).sweep()  # the key and its settled marker are forgotten now
+        again = admitted(store, spec("b"), 0, T0 + 102)
+        assert again > first
+        # A frozen clock: the counter part keeps tokens increasing within one microsecond.
+        tokens = []
+        for name in "cde":
+            tokens.append(admitted(store, spec(name, key="frozen"), 0, T0 + 200))
+            assert at(store, T0 + 200).release(SCOPE, "frozen", name, token=tokens[-1]).released
+        assert tokens == sorted(set(tokens)) and tokens[0] > again
+
+    def test_a_library_copy_of_a_settled_run_is_stale_however_late(self, make_store: StoreFactory) -> None:
+        store = make_store(timings=Timings(retention=100.0))
+        token = admitted(store, spec("h"), 0, T0)
+        deferred = gated(store, spec("w"), 0, T0 + 1, b"w").generation
+        assert deferred is not None
+        wake = the_wake(at(store, T0 + 2).release(SCOPE, KEY, "h", token=token).wakes, "w")
+        w_token = admitted(store, spec("w"), wake.generation, T0 + 3)
+        assert at(store, T0 + 4).release(SCOPE, KEY, "w", token=w_token).released
+        # Within retention the settled marker says it; after it, the generation's age does.
+        stale(store, spec("w"), deferred, T0 + 50)
+        at(store, T0 + 300).sweep()
+        stale(store, spec("w"), deferred, T0 + 300)
+        stale(store, spec("w"), wake.generation, T0 + 1e6)
+        stale(store, spec("w"), -1, T0 + 1e6)  # a duplicate start's copy
+        # The producer's own copy (generation 0) is a new claim, as a re-driven dead letter is.
+        admitted(store, spec("w"), 0, T0 + 1e6)

@@ -154,7 +154,7 @@ def queued(app: Celery) -> int:
 def runs_of(store: Store, scope: str | None = None) -> list[str]:
     return [
         run_id
-        for snap in store.snapshot(now=time.time(), scope=scope)
+        for snap in store.snapshot(scope=scope)
         for run_id in [*(h.run_id for h in snap.holders), *(w.run_id for w in snap.waiters)]
     ]
 
@@ -318,7 +318,7 @@ def test_a_run_that_can_only_wait_is_published_held_back_and_woken_by_the_releas
     app = make_app(store, retry_delay=30.0, max_retry_delay=30.0)
     job, release_holder = held_key_job(app, journal)
     results = [job.delay(label) for label in ("holder", "B", "C")]
-    snap = store.snapshot(now=time.time())[0]
+    snap = store.snapshot()[0]
     assert [(w.run_id, w.state) for w in snap.waiters] == [
         (results[0].id, RunState.PENDING),  # first in line: published at once
         (results[1].id, RunState.GATED),  # parked with its payload
@@ -521,7 +521,7 @@ def test_a_discarded_copy_of_a_running_holder_keeps_its_slot(
         # What the worker's main process announces when a delayed copy of the holder expires.
         copy = Context(id=holder.id, args=["holder"], kwargs={}, headers={GENERATION_HEADER: copy_generation})
         signals.task_revoked.send(sender=job, request=copy, terminated=False, expired=True)
-        (snap,) = store.snapshot(now=time.time(), scope=job.name)
+        (snap,) = store.snapshot(scope=job.name)
         assert [h.run_id for h in snap.holders] == [holder.id]  # the slot stays with the running body
         assert [w.run_id for w in snap.waiters] == [follower.id]
         gate_open.set()
@@ -999,13 +999,13 @@ def test_a_forked_pool_process_heartbeats_with_its_own_thread() -> None:
     gatekeeper = Gatekeeper(store_from_url("memory://fork"), heartbeat_interval=0.05)
     ref = HolderRef("scope", "key", "run", 1)
     parent = gatekeeper.heartbeats
-    parent.track(ref)  # the parent's heartbeat thread runs
+    parent.track(ref, 60.0)  # the parent's heartbeat thread runs
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: what a prefork pool process sees
         try:
             child = gatekeeper.heartbeats
-            child.track(ref)
+            child.track(ref, 60.0)
             thread = child._thread
             ok = child is not parent and thread is not None and thread.is_alive()
             os.write(write, b"1" if ok else b"0")
@@ -1051,8 +1051,8 @@ class _ReplyLostOnRegister(MemoryStore):
 
     failures = 1
 
-    def register(self, spec: RunSpec, *, now: float, confirmed: bool = True) -> RegisterOutcome:
-        outcome = super().register(spec, now=now, confirmed=confirmed)
+    def register(self, spec: RunSpec, *, confirmed: bool = True) -> RegisterOutcome:
+        outcome = super().register(spec, confirmed=confirmed)
         if self.failures:
             self.failures -= 1
             raise StoreUnavailableError("reply lost: timed out after the command was sent")
@@ -1090,7 +1090,7 @@ def test_a_run_whose_park_fails_is_published_and_runs_after_its_countdown(journa
     job, _ = held_key_job(app, journal)
     first, second = job.delay("first"), job.delay("second")  # no error: second was published
     assert queued(app) == 2
-    assert [w.state for w in store.snapshot(now=time.time())[0].waiters] == [RunState.PENDING] * 2
+    assert [w.state for w in store.snapshot()[0].waiters] == [RunState.PENDING] * 2
     with worker(app):
         assert [r.get(interval=0.01, timeout=10) for r in (first, second)] == ["first", "second"]
     assert journal.labels() == ["first", "second"] and journal.overlaps == []
@@ -1101,5 +1101,5 @@ def test_a_run_with_its_own_countdown_is_not_held_back(store: Store, journal: Jo
     job.delay("first")
     own = job.apply_async(("own",), countdown=0.05)
     held = job.delay("held")
-    states = {w.run_id: w.state for w in store.snapshot(now=time.time())[0].waiters}
+    states = {w.run_id: w.state for w in store.snapshot()[0].waiters}
     assert states[own.id] is RunState.PENDING and states[held.id] is RunState.GATED

@@ -18,6 +18,7 @@ from singleton_tasks import Store, clock, store_from_url
 from singleton_tasks.cli import TopState, cli, render_top_frame
 from singleton_tasks.outcomes import Decision, Registered, RunSpec
 from singleton_tasks.stores import SCHEMA_VERSION
+from singleton_tasks.testing import ManualClock, at
 
 SCOPE = "inv"
 WIDE = {"COLUMNS": "200"}  # rich wraps at 80 columns when it sees no terminal
@@ -33,6 +34,7 @@ class Seeded:
     a2: str  # store:A waiter 2, pending (registered, never delivered)
     b0: str  # holder of store:B, waiting for its retry
     c0: str  # holder of store:C, executing
+    a1_generation: int  # the generation of a1's deferred copy
 
     def args(self, *more: str) -> list[str]:
         return [*more, "--store", self.url, "--namespace", self.store.namespace]
@@ -53,17 +55,18 @@ def seed(store: Store, url: str) -> Seeded:
         ("b0", "store:B"),
         ("c0", "store:C"),
     ):
-        assert store.register(spec(key, ids[name]), now=now - 30).status is Registered.REGISTERED
+        assert at(store, now - 30).register(spec(key, ids[name])).status is Registered.REGISTERED
     for name, key in (("a0", "store:A"), ("b0", "store:B"), ("c0", "store:C")):
-        assert store.claim(spec(key, ids[name]), 0, None, now=now - 20).decision is Decision.ADMITTED
+        assert at(store, now - 20).claim(spec(key, ids[name]), 0, None).decision is Decision.ADMITTED
     message = dramatiq.Message(
         queue_name="inv", actor_name="sync", args=("A",), kwargs={}, options={}, message_id=ids["a1"]
     )
-    gated = store.claim(spec("store:A", ids["a1"]), 0, message.encode(), now=now - 10)
+    gated = at(store, now - 10).claim(spec("store:A", ids["a1"]), 0, message.encode())
     assert gated.decision is Decision.GATED
-    b0_token = store.snapshot(now=now, scope=SCOPE, key="store:B")[0].holders[0].token
-    assert store.suspend(SCOPE, "store:B", ids["b0"], b0_token, now=now - 10, delay=5.0)
-    return Seeded(store=store, url=url, now=now, **ids)
+    b0_token = at(store, now).snapshot(scope=SCOPE, key="store:B")[0].holders[0].token
+    assert at(store, now - 10).suspend(SCOPE, "store:B", ids["b0"], b0_token, delay=5.0)
+    assert gated.generation is not None
+    return Seeded(store=store, url=url, now=now, a1_generation=gated.generation, **ids)
 
 
 def url_of(store: Store, backend: str, tmp_path: Path) -> str:
@@ -75,7 +78,7 @@ def url_of(store: Store, backend: str, tmp_path: Path) -> str:
 
 @pytest.fixture
 def seeded(store_factory: StoreFactory, backend: str, tmp_path: Path) -> Seeded:
-    store = store_factory()
+    store = store_factory(clock=ManualClock())  # seeded in the past; the CLI reads at the store's time
     return seed(store, url_of(store, backend, tmp_path))
 
 
@@ -157,11 +160,11 @@ def test_release_frees_the_slot_and_names_the_woken_waiter(
     assert f"released run {seeded.a0}" in result.stdout
     assert f"woke {seeded.a1}" in result.stdout
 
-    [a] = seeded.store.snapshot(now=clock.now(), scope=SCOPE, key="store:A")
+    [a] = seeded.store.snapshot(scope=SCOPE, key="store:A")
     assert a.holders == ()
     assert [w.run_id for w in a.waiters] == [seeded.a1, seeded.a2]
-    # The slot is free: the woken waiter's deferred copy (generation 1) is admitted.
-    claimed = seeded.store.claim(spec("store:A", seeded.a1), 1, None, now=clock.now())
+    # The slot is free: the woken waiter's deferred copy is admitted.
+    claimed = seeded.store.claim(spec("store:A", seeded.a1), seeded.a1_generation, None)
     assert claimed.decision is Decision.ADMITTED
 
     [record] = [r for r in caplog.records if "operator release" in r.getMessage()]
@@ -172,7 +175,7 @@ def test_release_frees_the_slot_and_names_the_woken_waiter(
 def test_release_of_a_waiter_removes_it_from_the_line(seeded: Seeded) -> None:
     result = invoke(seeded.args("release", seeded.a1, "--yes"))
     assert result.exit_code == 0, result.output
-    [a] = seeded.store.snapshot(now=clock.now(), scope=SCOPE, key="store:A")
+    [a] = seeded.store.snapshot(scope=SCOPE, key="store:A")
     assert [h.run_id for h in a.holders] == [seeded.a0]
     assert [(w.run_id, w.position) for w in a.waiters] == [(seeded.a2, 1)]
 
@@ -181,12 +184,12 @@ def test_release_asks_first_and_unknown_runs_fail(seeded: Seeded) -> None:
     refused = invoke(seeded.args("release", seeded.c0), input="n\n")
     assert refused.exit_code == 1
     assert "Release run" in refused.output
-    assert [h.run_id for h in seeded.store.snapshot(now=clock.now(), key="store:C")[0].holders] == [seeded.c0]
+    assert [h.run_id for h in seeded.store.snapshot(key="store:C")[0].holders] == [seeded.c0]
 
     confirmed = invoke(seeded.args("release", seeded.c0), input="y\n")
     assert confirmed.exit_code == 0, confirmed.output
     assert "no waiters left on key 'store:C'" in confirmed.stdout
-    assert seeded.store.snapshot(now=clock.now(), key="store:C") == []
+    assert seeded.store.snapshot(key="store:C") == []
 
     unknown = invoke(seeded.args("release", "no-such-run", "--yes"))
     assert unknown.exit_code == 1
@@ -194,7 +197,7 @@ def test_release_asks_first_and_unknown_runs_fail(seeded: Seeded) -> None:
 
 
 def test_release_of_a_holder_with_only_pending_waiters_names_the_next(seeded: Seeded) -> None:
-    seeded.store.release(SCOPE, "store:A", seeded.a1, token=None, now=clock.now())  # a2 is next, pending
+    seeded.store.release(SCOPE, "store:A", seeded.a1, token=None)  # a2 is next, pending
     result = invoke(seeded.args("release", seeded.a0, "--yes"))
     assert result.exit_code == 0, result.output
     assert f"next in line: {seeded.a2} (pending)" in result.stdout
@@ -224,10 +227,14 @@ def test_top_frame_rates_handoffs_between_frames(seeded: Seeded) -> None:
     t0 = clock.now()
     first = render_top_frame(seeded.store, state, now=t0)
     assert "handoffs/s –" in first
-    [a] = seeded.store.snapshot(now=t0, key="store:A")
-    release = seeded.store.release(SCOPE, "store:A", seeded.a0, token=a.holders[0].token, now=t0 + 0.5)
+    [a] = at(seeded.store, t0).snapshot(key="store:A")
+    release = at(seeded.store, t0 + 0.5).release(SCOPE, "store:A", seeded.a0, token=a.holders[0].token)
     assert [w.run_id for w in release.wakes] == [seeded.a1]
-    assert seeded.store.claim(spec("store:A", seeded.a1), 1, None, now=t0 + 1).decision is Decision.ADMITTED
+    wake = release.wakes[0]
+    assert (
+        at(seeded.store, t0 + 1).claim(spec("store:A", seeded.a1), wake.generation, None).decision
+        is Decision.ADMITTED
+    )
     second = render_top_frame(seeded.store, state, now=t0 + 2)
     assert "handoffs/s 0.5" in second
     assert "[■] ○" in lane(second, "store:A") and "1 waiting" in lane(second, "store:A")
@@ -306,7 +313,7 @@ def test_no_password_in_output_for_a_reachable_store(caplog: pytest.LogCaptureFi
         urls.append(f"postgresql://root:{PASSWORD}@127.0.0.1:5432/test")
     for url in urls:
         namespace = f"pw{uuid.uuid4().hex[:10]}"
-        store = store_from_url(url, namespace=namespace)
+        store = store_from_url(url, namespace=namespace, clock=ManualClock())
         try:
             store.migrate()
             seeded = seed(store, url)
@@ -350,16 +357,15 @@ def test_release_with_a_dramatiq_broker_publishes_the_wake() -> None:
     store = store_from_url(f"memory://wake-{uuid.uuid4().hex}")
     queue = f"cli-wake-{uuid.uuid4().hex[:8]}"
     holder, waiter = spec("store:W", "holder-1"), spec("store:W", "waiter-1")
-    now = clock.now()
-    store.register(holder, now=now)
-    store.register(waiter, now=now)
-    assert store.claim(holder, 0, None, now=now).decision is Decision.ADMITTED
+    store.register(holder)
+    store.register(waiter)
+    assert store.claim(holder, 0, None).decision is Decision.ADMITTED
     # The waiter's delivery, as the adapter stores it with the claim to wake it later.
     delivered = dramatiq.Message(
         queue_name=f"{queue}.DQ", actor_name="sync_inventory", args=("W",), kwargs={},
         options={"singleton_gen": 0, "redis_message_id": "stale-id", "eta": 1}, message_id="waiter-1",
     )  # fmt: skip
-    assert store.claim(waiter, 0, delivered.encode(), now=now).decision is Decision.GATED
+    assert store.claim(waiter, 0, delivered.encode()).decision is Decision.GATED
 
     broker = RedisBroker(url=BROKER_REDIS_URL, middleware=[])
     broker.declare_queue(queue)
@@ -380,7 +386,7 @@ def test_release_with_a_dramatiq_broker_publishes_the_wake() -> None:
         assert received.options.get("redis_message_id") != "stale-id"
         assert "eta" not in received.options
         # The message carries the generation the store made live for the wake: it is admitted.
-        claimed = store.claim(waiter, received.options["singleton_gen"], None, now=clock.now())
+        claimed = store.claim(waiter, received.options["singleton_gen"], None)
         assert claimed.decision is Decision.ADMITTED
         consumer.ack(received)
         consumer.close()
@@ -398,7 +404,7 @@ def test_console_entry_point_logs_the_operator_release(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "singleton_tasks.cli"]
     check = subprocess.run([*command, "migrate", "--check", "--store", url], capture_output=True, text=True)
     assert check.returncode == 1, check.stderr
-    store = store_from_url(url)
+    store = store_from_url(url, clock=ManualClock())
     try:
         store.migrate()
         seeded = seed(store, url)

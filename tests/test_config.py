@@ -272,7 +272,7 @@ def test_password_never_shown(url: str) -> None:
     if store is None:
         return
     with pytest.raises(StoreUnavailableError) as caught:
-        store.register(RunSpec("s", "k", "r"), now=0.0)
+        store.register(RunSpec("s", "k", "r"))
     store.close()
     error = caught.value
     for shown in (str(error), repr(error), str(error.__cause__), repr(error.__cause__)):
@@ -291,7 +291,7 @@ def test_unreachable_store_fails_the_first_operation_chained(url: str, options: 
     store = store_from_url(url, **options)  # connecting is lazy: declaring a worker does not fail
     try:
         with pytest.raises(StoreUnavailableError) as caught:
-            store.register(RunSpec("s", "k", "r"), now=0.0)
+            store.register(RunSpec("s", "k", "r"))
         assert caught.value.__cause__ is not None
         assert not isinstance(caught.value.__cause__, SingletonError)  # the driver's own error
         with pytest.raises(StoreUnavailableError):

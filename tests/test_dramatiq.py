@@ -171,7 +171,7 @@ class Env:
         self.worker.join()
 
     def keys(self) -> list[Any]:
-        return self.store.snapshot(now=time.time())
+        return self.store.snapshot()
 
     def gated(self, run_id: str) -> bool:
         """The run was delivered and deferred (its delayed copy is pending)."""
@@ -259,7 +259,7 @@ def test_seed_story_a_holds_a_waits_b_runs(make_env: Callable[..., Env]) -> None
     # run-3 ran at once on its own slot; run-2 was delivered and gated, never started.
     assert env.journal.started() == ["run-1", "run-3"]
     (snap,) = [s for s in env.keys() if s.key == "store:A"]
-    assert [h.token for h in snap.holders] == [1]
+    assert len(snap.holders) == 1 and snap.holders[0].token > 0
     assert [w.run_id for w in snap.waiters] == [run2.message_id]
     env.let_go("run-1")
     env.join()
@@ -314,10 +314,11 @@ def test_limit_two_runs_two_at_once_never_three(make_env: Callable[..., Env]) ->
     env.join()
     assert env.journal.max_concurrency("1") == 2
     assert {a.key for a in env.journal.attempts} == {"1"}
-    assert sorted(a.token or 0 for a in env.journal.attempts) == list(range(1, 9))
+    tokens = sorted(a.token or 0 for a in env.journal.attempts)
+    assert len(set(tokens)) == 8 and tokens[0] > 0  # one increasing token per admission
     # FIFO by admission: the first two tokens went to the first two sends (bodies may start in
     # either order under load, so body start times prove nothing here).
-    assert {a.label for a in env.journal.attempts if a.token in (1, 2)} == set(labels[:2])
+    assert {a.label for a in env.journal.attempts if a.token in tokens[:2]} == set(labels[:2])
     assert env.keys() == []
 
 
@@ -552,14 +553,34 @@ def test_gated_waiters_do_not_occupy_worker_threads(make_env: Callable[..., Env]
 
 
 def test_heartbeats_keep_a_long_run_holding(make_env: Callable[..., Env]) -> None:
-    env = make_env(lease=0.3, heartbeat_interval=0.05)
+    env = make_env(lease=3.0)  # the shortest lease: heartbeats every second
     job = env.job()
     env.start()
-    job.send("K", "long", 1.0)
+    job.send("K", "long", 4.0)
     env.journal.wait(lambda: env.journal.started() == ["long"])
     job.send("K", "next")
     env.join()
     # The lease was extended while the body ran past it: no takeover, no overlap.
+    assert env.journal.started() == ["long", "next"]
+    assert env.journal.max_concurrency("K") == 1
+    assert env.keys() == []
+
+
+def test_a_task_lease_shorter_than_the_workers_is_heartbeated_by_its_own(
+    make_env: Callable[..., Env],
+) -> None:
+    """The worker's lease is 60 s (heartbeats every 20 s); the task's own lease is 3 s.
+
+    Heartbeated at the worker's pace, the holder would be evicted 6 s in (lease + orphan timeout)
+    by the next run's re-checks, and the next run would start while it still runs.
+    """
+    env = make_env(lease=60.0)
+    job = env.job("short", singleton={"key": "{key}", "lease": 3.0, "orphan_timeout": 3.0})
+    env.start()
+    job.send("K", "long", 8.0)
+    env.journal.wait(lambda: env.journal.started() == ["long"])
+    job.send("K", "next")
+    env.join()
     assert env.journal.started() == ["long", "next"]
     assert env.journal.max_concurrency("K") == 1
     assert env.keys() == []

@@ -29,8 +29,8 @@ def test_dramatiq_example_on_the_embedded_store(tmp_path: Path) -> None:
     out = run_example("dramatiq_sync_inventory.py", tmp_path, SINGLETON_RETRY_DELAY="0.2")
     assert "refused: sync_inventory: the queue of key 'store:A'" in out
     tokens = [int(t) for t in re.findall(r"syncing store A \(fencing token (\d+)\)", out)]
-    assert tokens == [1, 2, 3]
-    assert "syncing store B (fencing token 1)" in out
+    assert len(tokens) == 3 and tokens == sorted(set(tokens))  # one increasing token per run
+    assert re.search(r"syncing store B \(fencing token \d+\)", out)
     assert out.rstrip().endswith("done: 1 refused")
 
 
@@ -68,5 +68,5 @@ def test_celery_example_on_the_embedded_store(tmp_path: Path) -> None:
     out = run_example("celery_sync_inventory.py", tmp_path, SINGLETON_RETRY_DELAY="0.2")
     assert "refused: shop.sync_inventory: the queue of key 'store:A'" in out
     tokens = [int(t) for t in re.findall(r"syncing store A \(fencing token (\d+)\)", out)]
-    assert tokens == [1, 2, 3]
+    assert len(tokens) == 3 and tokens == sorted(set(tokens))  # one increasing token per run
     assert "done: ['A', 'A', 'A', 'B', 'statement for 42'], 1 refused" in out

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 from singleton_tasks import SingletonQueueFullError, metrics
 from singleton_tasks.outcomes import ClaimOutcome, Decision, Registered, ReleaseOutcome, RunSpec
 from singleton_tasks.stores.memory import MemoryStore
+from singleton_tasks.testing import ManualClock, at
 
 
 @pytest.fixture(autouse=True)
@@ -39,27 +40,27 @@ def value(registry: CollectorRegistry, name: str, task: str = "inv.sync") -> flo
 
 def test_counters_follow_real_store_outcomes(registry: CollectorRegistry) -> None:
     """Outcomes of a real (memory) store fed to the hooks as an adapter would."""
-    store = MemoryStore(f"memory://metrics-{uuid.uuid4().hex}")
+    store = MemoryStore(f"memory://metrics-{uuid.uuid4().hex}", clock=ManualClock(100.0))
     task = "inv.sync"
     first = RunSpec("inv", "store:A", "r1")
     second = RunSpec("inv", "store:A", "r2", max_queue_depth=1)
     third = RunSpec("inv", "store:A", "r3", max_queue_depth=1)
-    assert store.register(first, now=100.0).status is Registered.REGISTERED
-    assert store.register(second, now=101.0).status is Registered.REGISTERED
-    if store.register(third, now=101.5).status is Registered.FULL:
+    assert at(store, 100.0).register(first).status is Registered.REGISTERED
+    assert at(store, 101.0).register(second).status is Registered.REGISTERED
+    if at(store, 101.5).register(third).status is Registered.FULL:
         metrics.observe_rejected(task)
 
-    admitted = store.claim(first, 0, None, now=102.0)
+    admitted = at(store, 102.0).claim(first, 0, None)
     metrics.observe_claim(task, admitted, now=102.0, registered_at=100.0)
-    gated = store.claim(second, 0, b"r2", now=103.0)
+    gated = at(store, 103.0).claim(second, 0, b"r2")
     metrics.observe_claim(task, gated, now=103.0)
     assert gated.decision is Decision.GATED
 
-    released = store.release("inv", "store:A", "r1", token=admitted.token, now=104.0)
+    released = at(store, 104.0).release("inv", "store:A", "r1", token=admitted.token)
     metrics.observe_release(task, released)
     metrics.observe_woken(task, len(released.wakes))
     assert [w.run_id for w in released.wakes] == ["r2"]
-    woken = store.claim(second, released.wakes[0].generation, None, now=104.25)
+    woken = at(store, 104.25).claim(second, released.wakes[0].generation, None)
     metrics.observe_claim(task, woken, now=104.25, registered_at=101.0, woken_at=104.0)
 
     assert value(registry, "singleton_tasks_admitted_total") == 2

@@ -8,6 +8,7 @@ heartbeat losses — and its snapshot after every step must be identical to the 
 
 from __future__ import annotations
 
+import math
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -41,9 +42,10 @@ from singleton_tasks.outcomes import (
     Wake,
 )
 from singleton_tasks.stores.memory import MemoryStore
+from singleton_tasks.testing import ManualClock
 
 GRACE = 3.0
-SETTLED_TTL = 40.0
+RETENTION = 40.0
 T0 = 1_764_680_000.0
 
 
@@ -52,19 +54,29 @@ class KeyConfig:
     limit: int
     lease: float
     orphan: float | None
+    recheck: float
 
 
-# Small numbers so that every rule (caps, leases, evictions, passing over) is reached often.
+# Small numbers so that every rule (caps, leases, evictions, passing over, removal) is reached often.
 KEYS: dict[str, KeyConfig] = {
-    "k1": KeyConfig(limit=1, lease=10.0, orphan=30.0),
-    "k'2 {x}\n": KeyConfig(limit=2, lease=20.0, orphan=None),
-    "k3": KeyConfig(limit=2, lease=5.0, orphan=12.0),
+    "k1": KeyConfig(limit=1, lease=10.0, orphan=30.0, recheck=2.0),
+    "k'2 {x}\n": KeyConfig(limit=2, lease=20.0, orphan=None, recheck=0.0),
+    "k3": KeyConfig(limit=2, lease=5.0, orphan=12.0, recheck=5.0),
 }
 RUNS_PER_KEY = 4
 BOGUS = 7777
 
 
 # ---------------------------------------------------------------------------- the model
+
+
+def micros(now: float) -> int:
+    return math.floor(now * 1_000_000)
+
+
+def counter_after(previous: int, now: float) -> int:
+    """Tokens and generations: above every earlier one, at least the clock in microseconds."""
+    return max(previous + 1, micros(now))
 
 
 @dataclass
@@ -77,6 +89,7 @@ class MRun:
     live: list[int]
     lease: float
     orphan: float | None
+    recheck: float
     payload: bytes | None = None
     token: int = 0
     holder_gen: int = 0
@@ -84,6 +97,18 @@ class MRun:
     heartbeat_at: float = 0.0
     lease_expires_at: float = 0.0
     executing: bool = False
+    seen_at: float = 0.0
+    passed_over_at: float | None = None
+
+    def seen(self, now: float) -> None:
+        """A live copy (or the registration) reached the store."""
+        self.seen_at = now
+        if not self.confirmed:
+            self.passed_over_at = now + GRACE
+        elif self.orphan is None:
+            self.passed_over_at = None
+        else:
+            self.passed_over_at = now + self.orphan + self.recheck
 
 
 @dataclass
@@ -92,6 +117,7 @@ class MKey:
     token: int = 0
     runs: list[MRun] = field(default_factory=list)  # registration order; holders stay in place
     settled: dict[str, tuple[int, float]] = field(default_factory=dict)  # run -> (generation, expires)
+    idle_until: float | None = None  # no runs since: forgotten (token and limit) after this
 
     def find(self, run_id: str) -> MRun | None:
         return next((r for r in self.runs if r.run_id == run_id), None)
@@ -109,9 +135,6 @@ class MKey:
         found = self.settled.get(run_id)
         return found[0] if found is not None and found[1] > now else None
 
-    def is_ghost(self, run: MRun, now: float) -> bool:
-        return run.state is RunState.PENDING and not run.confirmed and run.created_at < now - GRACE
-
 
 class Model:
     """One namespace: keys by name, all in one scope."""
@@ -120,14 +143,23 @@ class Model:
         self.scope = scope
         self.keys: dict[str, MKey] = {}
 
-    def key(self, key: str) -> MKey:
-        return self.keys.setdefault(key, MKey())
+    def key(self, key: str, now: float | None = None) -> MKey:
+        """The key as an operation at ``now`` finds it: forgotten if it was idle too long."""
+        k = self.keys.setdefault(key, MKey())
+        if now is not None and k.idle_until is not None and k.idle_until < now:
+            k.token, k.limit, k.idle_until = 0, 1, None
+        return k
+
+    def finish(self, k: MKey, now: float) -> None:
+        k.idle_until = None if k.runs else now + RETENTION
 
     # -- helpers of the rules
 
     @staticmethod
     def passed_over(run: MRun, now: float) -> bool:
-        return run.state is RunState.PENDING and run.orphan is not None and run.created_at + run.orphan < now
+        return (
+            run.state is not RunState.HOLDING and run.passed_over_at is not None and run.passed_over_at < now
+        )
 
     def owners(self, k: MKey, now: float) -> list[MRun]:
         free = k.limit - len(k.holders())
@@ -135,22 +167,27 @@ class Model:
             return []
         return [r for r in k.waiters() if not self.passed_over(r, now)][:free]
 
-    def housekeep(self, k: MKey, now: float, keep: str) -> list[str]:
+    def housekeep(self, k: MKey, now: float, keep: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
         evicted = [
             h.run_id
             for h in k.holders()
             if h.orphan is not None and h.lease_expires_at + h.orphan < now and h.run_id != keep
         ]
-        ghosts = [r.run_id for r in k.runs if k.is_ghost(r, now) and r.run_id != keep]
-        for run_id in evicted + ghosts:
+        gone = [
+            w
+            for w in k.waiters()
+            if w.passed_over_at is not None and w.passed_over_at < now - RETENTION and w.run_id != keep
+        ]
+        removed = [w.run_id for w in sorted(gone, key=lambda w: (w.passed_over_at, w.run_id))]
+        for run_id in evicted + removed:
             k.remove(run_id)
-        return evicted
+        return tuple(sorted(evicted)), tuple(removed)
 
     def wakes(self, key: str, k: MKey, now: float, skip: str | None) -> list[Wake]:
         out = []
         for run in self.owners(k, now):
             if run.state is RunState.GATED and run.run_id != skip:
-                run.generation += 1
+                run.generation = counter_after(run.generation, now)
                 if run.payload is not None and run.live:
                     run.live = [run.live[-1], run.generation]
                 else:  # nothing can publish this wake: every earlier copy stays live
@@ -162,82 +199,128 @@ class Model:
     # -- the operations
 
     def register(self, spec: RunSpec, now: float, confirmed: bool) -> RegisterOutcome:
-        k = self.key(spec.key)
+        k = self.key(spec.key, now)
         if k.find(spec.run_id) is not None:
             return RegisterOutcome(Registered.EXISTS, len(k.runs))
-        in_flight = len([r for r in k.runs if not k.is_ghost(r, now)])
+        in_flight = len([r for r in k.runs if not self.passed_over(r, now)])
         if spec.max_queue_depth is not None and in_flight >= spec.limit + spec.max_queue_depth:
             return RegisterOutcome(Registered.FULL, in_flight)
         k.limit = spec.limit
         k.settled.pop(spec.run_id, None)
-        k.runs.append(
-            MRun(spec.run_id, RunState.PENDING, now, confirmed, 0, [0], spec.lease, spec.orphan_timeout)
+        run = MRun(
+            spec.run_id,
+            RunState.PENDING,
+            now,
+            confirmed,
+            0,
+            [0],
+            spec.lease,
+            spec.orphan_timeout,
+            spec.recheck,
         )
+        run.seen(now)
+        k.runs.append(run)
+        self.finish(k, now)
         return RegisterOutcome(Registered.REGISTERED, in_flight + 1)
 
-    def confirm(self, key: str, run_id: str) -> bool:
+    def confirm(self, key: str, run_id: str, now: float) -> bool:
         run = self.key(key).find(run_id)
         if run is None:
             return False
-        run.confirmed = True
+        if not run.confirmed:
+            run.confirmed = True
+            run.seen(now)
         return True
 
-    def unregister(self, key: str, run_id: str) -> bool:
+    def unregister(self, key: str, run_id: str, now: float) -> bool:
         k = self.key(key)
         run = k.find(run_id)
         if run is None or run.state is not RunState.PENDING:
             return False
         k.remove(run_id)
+        self.key(key, now)
+        self.finish(k, now)
         return True
 
     def park(self, key: str, run_id: str, payload: bytes, now: float) -> tuple[Wake, ...]:
-        k = self.key(key)
+        k = self.key(key, now)
         run = k.find(run_id)
         if run is None or run.state is not RunState.PENDING:
             return ()
         run.confirmed, run.payload, run.state = True, payload, RunState.GATED
+        run.seen(now)
         return tuple(self.wakes(key, k, now, None))
 
     def claim(self, spec: RunSpec, generation: int, payload: bytes | None, now: float) -> ClaimOutcome:
-        k = self.key(spec.key)
+        k = self.key(spec.key, now)
         k.limit = spec.limit
-        evicted = tuple(sorted(self.housekeep(k, now, spec.run_id)))
+        evicted, removed = self.housekeep(k, now, spec.run_id)
+        try:
+            return self._claim(k, spec, generation, payload, now, evicted, removed)
+        finally:
+            self.finish(k, now)
+
+    def _claim(
+        self,
+        k: MKey,
+        spec: RunSpec,
+        generation: int,
+        payload: bytes | None,
+        now: float,
+        evicted: tuple[str, ...],
+        removed: tuple[str, ...],
+    ) -> ClaimOutcome:
+        def stale() -> ClaimOutcome:
+            wakes = self.wakes(spec.key, k, now, None)
+            return ClaimOutcome(Decision.STALE, evicted=evicted, wakes=tuple(wakes), removed=removed)
+
         run = k.find(spec.run_id)
         if run is None:
             settled = k.marker(spec.run_id, now)
             if settled is not None and settled != generation:
-                wakes = self.wakes(spec.key, k, now, None) if evicted else []
-                return ClaimOutcome(Decision.STALE, evicted=evicted, wakes=tuple(wakes))
+                return stale()
+            if settled is None and generation != 0 and generation < micros(now - RETENTION):
+                return stale()
             k.settled.pop(spec.run_id, None)
-            run = MRun(spec.run_id, RunState.PENDING, now, True, generation, [generation], spec.lease, None)
-            run.orphan = spec.orphan_timeout
+            run = MRun(
+                spec.run_id, RunState.PENDING, now, True, generation, [generation], spec.lease, None, 0.0
+            )
             k.runs.append(run)
         elif generation not in run.live:
-            wakes = self.wakes(spec.key, k, now, None)
-            return ClaimOutcome(Decision.STALE, evicted=evicted, wakes=tuple(wakes))
-        run.lease, run.orphan = spec.lease, spec.orphan_timeout
+            return stale()
+        run.lease, run.orphan, run.recheck = spec.lease, spec.orphan_timeout, spec.recheck
         if run.state is RunState.HOLDING:
             if run.executing and run.lease_expires_at > now:
-                run.generation += 1
+                run.generation = counter_after(run.generation, now)
                 run.live = sorted({run.holder_gen, generation, run.generation})
-                wakes = self.wakes(spec.key, k, now, None) if evicted else []
+                wakes = self.wakes(spec.key, k, now, None)
                 return ClaimOutcome(
-                    Decision.BUSY, generation=run.generation, evicted=evicted, wakes=tuple(wakes)
+                    Decision.BUSY,
+                    generation=run.generation,
+                    evicted=evicted,
+                    wakes=tuple(wakes),
+                    removed=removed,
                 )
-            return self.admit(spec, k, run, generation, now, evicted, takeover=run.executing)
+            return self.admit(spec, k, run, generation, now, evicted, removed, takeover=run.executing)
         run.confirmed = True
         run.payload = payload
         if run.state is RunState.PENDING:
             run.state = RunState.GATED
+        run.seen(now)
         if run in self.owners(k, now):
-            return self.admit(spec, k, run, generation, now, evicted, takeover=False)
-        run.generation += 1
+            return self.admit(spec, k, run, generation, now, evicted, removed, takeover=False)
+        run.generation = counter_after(run.generation, now)
         run.live = sorted({generation, run.generation})
         run.state = RunState.GATED
         wakes = self.wakes(spec.key, k, now, run.run_id)
         position = k.waiters().index(run) + 1
         return ClaimOutcome(
-            Decision.GATED, generation=run.generation, position=position, evicted=evicted, wakes=tuple(wakes)
+            Decision.GATED,
+            generation=run.generation,
+            position=position,
+            evicted=evicted,
+            wakes=tuple(wakes),
+            removed=removed,
         )
 
     def admit(
@@ -248,10 +331,11 @@ class Model:
         generation: int,
         now: float,
         evicted: tuple[str, ...],
+        removed: tuple[str, ...],
         *,
         takeover: bool,
     ) -> ClaimOutcome:
-        k.token += 1
+        k.token = counter_after(k.token, now)
         run.state = RunState.HOLDING
         run.token = k.token
         run.holder_gen = generation
@@ -262,7 +346,12 @@ class Model:
         run.payload = None
         wakes = self.wakes(spec.key, k, now, run.run_id)
         return ClaimOutcome(
-            Decision.ADMITTED, token=run.token, takeover=takeover, evicted=evicted, wakes=tuple(wakes)
+            Decision.ADMITTED,
+            token=run.token,
+            takeover=takeover,
+            evicted=evicted,
+            wakes=tuple(wakes),
+            removed=removed,
         )
 
     def suspend(self, key: str, run_id: str, token: int, now: float, delay: float) -> bool:
@@ -288,24 +377,31 @@ class Model:
     def release(
         self, key: str, run_id: str, token: int | None, generation: int | None, now: float
     ) -> ReleaseOutcome:
-        k = self.key(key)
-        evicted = tuple(sorted(self.housekeep(k, now, run_id)))
+        k = self.key(key, now)
+        try:
+            return self._release(k, key, run_id, token, generation, now)
+        finally:
+            self.finish(k, now)
+
+    def _release(
+        self, k: MKey, key: str, run_id: str, token: int | None, generation: int | None, now: float
+    ) -> ReleaseOutcome:
+        evicted, removed = self.housekeep(k, now, run_id)
         run = k.find(run_id)
-        if run is None:
-            lost = token is not None and k.marker(run_id, now) is None
-            wakes = self.wakes(key, k, now, None) if evicted else []
-            return ReleaseOutcome(released=False, lost=lost, wakes=tuple(wakes), evicted=evicted)
-        if token is not None and (run.state is not RunState.HOLDING or run.token != token):
-            wakes = self.wakes(key, k, now, None) if evicted else []
-            return ReleaseOutcome(released=False, lost=True, wakes=tuple(wakes), evicted=evicted)
+        if run is None or (token is not None and (run.state is not RunState.HOLDING or run.token != token)):
+            lost = token is not None and (run is not None or k.marker(run_id, now) is None)
+            wakes = self.wakes(key, k, now, None)
+            return ReleaseOutcome(
+                released=False, lost=lost, wakes=tuple(wakes), evicted=evicted, removed=removed
+            )
         k.remove(run_id)
         if run.state is RunState.HOLDING:
             settled = run.holder_gen
         else:
             settled = generation if generation is not None else -1
-        k.settled[run_id] = (settled, now + SETTLED_TTL)
+        k.settled[run_id] = (settled, now + RETENTION)
         wakes = self.wakes(key, k, now, None)
-        return ReleaseOutcome(released=True, wakes=tuple(wakes), evicted=evicted)
+        return ReleaseOutcome(released=True, wakes=tuple(wakes), evicted=evicted, removed=removed)
 
     def operator_release(self, run_id: str, now: float) -> ReleaseOutcome | None:
         for key in sorted(self.keys):
@@ -333,7 +429,9 @@ class Model:
                         for h in holders
                     ),
                     waiters=tuple(
-                        WaiterView(w.run_id, i + 1, w.created_at, w.state, w.confirmed)
+                        WaiterView(
+                            w.run_id, i + 1, w.created_at, w.state, w.confirmed, w.seen_at, w.passed_over_at
+                        )
                         for i, w in enumerate(k.waiters())
                     ),
                 )
@@ -353,12 +451,17 @@ def normal_claim(outcome: ClaimOutcome) -> ClaimOutcome:
         takeover=outcome.takeover,
         evicted=tuple(sorted(outcome.evicted)),  # several evictions at once: any order
         wakes=tuple(outcome.wakes),
+        removed=tuple(outcome.removed),
     )
 
 
 def normal_release(outcome: ReleaseOutcome) -> ReleaseOutcome:
     return ReleaseOutcome(
-        outcome.released, outcome.lost, wakes=tuple(outcome.wakes), evicted=tuple(sorted(outcome.evicted))
+        outcome.released,
+        outcome.lost,
+        wakes=tuple(outcome.wakes),
+        evicted=tuple(sorted(outcome.evicted)),
+        removed=tuple(outcome.removed),
     )
 
 
@@ -389,7 +492,9 @@ class GateMachine(RuleBasedStateMachine):
 
     def spec(self, key: str, run_id: str, depth: int | None = None) -> RunSpec:
         config = KEYS[key]
-        return RunSpec(self.scope, key, run_id, config.limit, depth, config.lease, config.orphan)
+        return RunSpec(
+            self.scope, key, run_id, config.limit, depth, config.lease, config.orphan, config.recheck
+        )
 
     def learn(self, key: str, run_id: str, outcome: ClaimOutcome | ReleaseOutcome) -> None:
         # Events show in --hypothesis-show-statistics: proof the rules are reached.
@@ -399,6 +504,8 @@ class GateMachine(RuleBasedStateMachine):
             event(f"{type(outcome).__name__} wakes")
         if outcome.evicted:
             event(f"{type(outcome).__name__} evicts")
+        if outcome.removed:
+            event(f"{type(outcome).__name__} removes")
         if isinstance(outcome, ClaimOutcome):
             if outcome.generation is not None:
                 self.generations.setdefault((key, run_id), set()).add(outcome.generation)
@@ -413,6 +520,12 @@ class GateMachine(RuleBasedStateMachine):
             self.generations.setdefault((wake.key, wake.run_id), set()).add(wake.generation)
             self.latest[(wake.key, wake.run_id)] = wake.generation
 
+    def at(self) -> Store:
+        """The store, deciding at the machine's time."""
+        assert isinstance(self.store.clock, ManualClock)
+        self.store.clock.set(self.now)
+        return self.store
+
     def agree(self, what: str, got: Any, expected: Any) -> None:
         assert got == expected, f"{what}: store answered {got!r}, model {expected!r}"
 
@@ -421,7 +534,7 @@ class GateMachine(RuleBasedStateMachine):
     @rule(key=key_names, number=run_numbers, depth=st.sampled_from([None, 0, 1, 2]), confirmed=st.booleans())
     def register(self, key: str, number: int, depth: int | None, confirmed: bool) -> None:
         spec = self.spec(key, self.run_id(key, number), depth)
-        got = self.store.register(spec, now=self.now, confirmed=confirmed)
+        got = self.at().register(spec, confirmed=confirmed)
         expected = self.model.register(spec, self.now, confirmed)
         self.agree(f"register {spec.run_id} depth={depth}", got, expected)
         event(f"register {got.status.value}")
@@ -457,7 +570,7 @@ class GateMachine(RuleBasedStateMachine):
 
     def claim_as(self, key: str, run_id: str, generation: int, payload: bytes | None) -> None:
         spec = self.spec(key, run_id)
-        got = normal_claim(self.store.claim(spec, generation, payload, now=self.now))
+        got = normal_claim(self.at().claim(spec, generation, payload))
         expected = self.model.claim(spec, generation, payload, self.now)
         self.agree(f"claim {run_id} generation={generation}", got, expected)
         self.learn(key, run_id, got)
@@ -467,7 +580,7 @@ class GateMachine(RuleBasedStateMachine):
         run_id = self.run_id(key, number)
         tokens = self.tokens.get((key, run_id), [])
         token = data.draw(st.sampled_from([*tokens[-1:] * 3, *tokens, BOGUS]), label="token")
-        got = self.store.suspend(self.scope, key, run_id, token, now=self.now, delay=delay)
+        got = self.at().suspend(self.scope, key, run_id, token, delay=delay)
         expected = self.model.suspend(key, run_id, token, self.now, delay)
         self.agree(f"suspend {run_id} token={token}", got, expected)
 
@@ -480,7 +593,7 @@ class GateMachine(RuleBasedStateMachine):
             for token in tokens[-2:]
         ]
         refs = data.draw(st.lists(st.sampled_from(known), max_size=4, unique=True), label="refs")
-        got = sorted(self.store.heartbeat(refs, now=self.now))
+        got = sorted(self.at().heartbeat(refs).lost)
         self.agree(f"heartbeat {refs}", got, self.model.heartbeat(refs, self.now))
         event(f"heartbeat lost={len(got)}")
 
@@ -491,9 +604,7 @@ class GateMachine(RuleBasedStateMachine):
         token = data.draw(st.sampled_from([*tokens[-1:] * 3, None, *tokens, BOGUS]), label="token")
         generations = sorted(self.generations.get((key, run_id), set()) | {0})
         generation = data.draw(st.one_of(st.none(), st.sampled_from(generations)), label="generation")
-        got = normal_release(
-            self.store.release(self.scope, key, run_id, token=token, generation=generation, now=self.now)
-        )
+        got = normal_release(self.at().release(self.scope, key, run_id, token=token, generation=generation))
         expected = self.model.release(key, run_id, token, generation, self.now)
         self.agree(f"release {run_id} token={token} generation={generation}", got, expected)
         event(f"release released={got.released} lost={got.lost}")
@@ -506,7 +617,7 @@ class GateMachine(RuleBasedStateMachine):
         held = [(key, h.run_id) for key, k in sorted(self.model.keys.items()) for h in k.holders()]
         key, run_id = data.draw(st.sampled_from(held), label="holder")
         token = self.tokens[(key, run_id)][-1]
-        got = normal_release(self.store.release(self.scope, key, run_id, token=token, now=self.now))
+        got = normal_release(self.at().release(self.scope, key, run_id, token=token))
         expected = self.model.release(key, run_id, token, None, self.now)
         self.agree(f"settle {run_id} token={token}", got, expected)
         event(f"settle released={got.released}")
@@ -515,8 +626,8 @@ class GateMachine(RuleBasedStateMachine):
     @rule(key=key_names, number=run_numbers)
     def confirm(self, key: str, number: int) -> None:
         run_id = self.run_id(key, number)
-        got = self.store.confirm(self.scope, key, run_id, now=self.now)
-        self.agree(f"confirm {run_id}", got, self.model.confirm(key, run_id))
+        got = self.at().confirm(self.scope, key, run_id)
+        self.agree(f"confirm {run_id}", got, self.model.confirm(key, run_id, self.now))
 
     @rule(key=key_names, number=run_numbers)
     def park(self, key: str, number: int) -> None:
@@ -524,7 +635,7 @@ class GateMachine(RuleBasedStateMachine):
         run_id = self.run_id(key, number)
         self.step += 1
         payload = f"{run_id}@{self.step} parked\0".encode()
-        got = self.store.park(self.scope, key, run_id, payload, now=self.now)
+        got = self.at().park(self.scope, key, run_id, payload)
         self.agree(f"park {run_id}", got, self.model.park(key, run_id, payload, self.now))
         event(f"park wakes={len(got)}")
         self.learn_wakes(got)
@@ -532,14 +643,14 @@ class GateMachine(RuleBasedStateMachine):
     @rule(key=key_names, number=run_numbers)
     def unregister(self, key: str, number: int) -> None:
         run_id = self.run_id(key, number)
-        got = self.store.unregister(self.scope, key, run_id, now=self.now)
-        self.agree(f"unregister {run_id}", got, self.model.unregister(key, run_id))
+        got = self.at().unregister(self.scope, key, run_id)
+        self.agree(f"unregister {run_id}", got, self.model.unregister(key, run_id, self.now))
 
     @precondition(lambda self: self.step % 3 == 0)
     @rule(key=key_names, number=run_numbers)
     def operator_release(self, key: str, number: int) -> None:
         run_id = self.run_id(key, number)
-        got = self.store.operator_release(run_id, now=self.now)
+        got = self.at().operator_release(run_id)
         expected = self.model.operator_release(run_id, self.now)
         self.agree(f"operator_release {run_id}", None if got is None else normal_release(got), expected)
         if got is not None:
@@ -554,21 +665,22 @@ class GateMachine(RuleBasedStateMachine):
     def deliver_at_a_deadline(self, data: st.DataObject, past: float) -> None:
         """Land exactly on (or just past) a run's deadline, then deliver a run of its key.
 
-        Deadlines: a lease's end, an orphan's eviction, a waiter's passing over, a ghost's
-        expiry, a settled marker's expiry; exact equality is where ``<`` and ``<=`` differ.
+        Deadlines: a lease's end, an orphan's eviction, a waiter's passing over and removal,
+        a settled marker's expiry; exact equality is where ``<`` and ``<=`` differ.
         """
         deadlines = []
         for key, k in sorted(self.model.keys.items()):
             for run in k.runs:
-                if run.state is RunState.PENDING and not run.confirmed:
-                    deadlines.append((key, run.created_at + GRACE))
                 if run.state is RunState.HOLDING:
                     deadlines.append((key, run.lease_expires_at))
                     if run.orphan is not None:
                         deadlines.append((key, run.lease_expires_at + run.orphan))
-                elif run.state is RunState.PENDING and run.orphan is not None:
-                    deadlines.append((key, run.created_at + run.orphan))
+                elif run.passed_over_at is not None:
+                    deadlines.append((key, run.passed_over_at))
+                    deadlines.append((key, run.passed_over_at + RETENTION))
             deadlines += [(key, expires) for _gen, expires in k.settled.values()]
+            if k.idle_until is not None:
+                deadlines.append((key, k.idle_until))
         future = [(key, at) for key, at in deadlines if at >= self.now]
         if not future:
             return
@@ -583,14 +695,14 @@ class GateMachine(RuleBasedStateMachine):
         # Key by key: a whole-namespace snapshot is an operator's tool and may scan the server.
         got = []
         for key in sorted(KEYS):
-            got += self.store.snapshot(now=self.now, scope=self.scope, key=key)
+            got += self.at().snapshot(scope=self.scope, key=key)
         self.agree("snapshot", got, self.model.snapshot())
 
     def teardown(self) -> None:
         # Leave nothing behind on the shared server for the next example.
-        for snap in self.store.snapshot(now=self.now, scope=self.scope):
+        for snap in self.at().snapshot(scope=self.scope):
             for run_id in [h.run_id for h in snap.holders] + [w.run_id for w in snap.waiters]:
-                self.store.release(self.scope, snap.key, run_id, token=None, now=self.now)
+                self.at().release(self.scope, snap.key, run_id, token=None)
 
 
 def machine_for(store: Store, model: type[Model] = Model) -> type[GateMachine]:
@@ -603,7 +715,9 @@ def machine_for(store: Store, model: type[Model] = Model) -> type[GateMachine]:
 
 @pytest.mark.timeout(900)  # only a failure takes long: Hypothesis then shrinks the sequence
 def test_store_agrees_with_the_model(backend: str, store_factory: Callable[..., Store]) -> None:
-    store = store_factory(timings=Timings(registration_grace=GRACE, settled_ttl=SETTLED_TTL))
+    store = store_factory(
+        timings=Timings(registration_grace=GRACE, retention=RETENTION), clock=ManualClock(T0)
+    )
     many = backend == "memory"
     run_state_machine_as_test(
         machine_for(store),
@@ -625,7 +739,9 @@ class ForgetfulModel(Model):
 
 
 def test_a_wrong_model_is_caught() -> None:
-    store = MemoryStore(f"memory://model-{uuid.uuid4().hex}", timings=Timings(GRACE, SETTLED_TTL))
+    store = MemoryStore(
+        f"memory://model-{uuid.uuid4().hex}", timings=Timings(GRACE, RETENTION), clock=ManualClock(T0)
+    )
     with pytest.raises(AssertionError, match="store answered"):
         run_state_machine_as_test(
             machine_for(store, ForgetfulModel),

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from singleton_tasks import Store, clock, store_from_url
+from singleton_tasks import Store, store_from_url
 from singleton_tasks.outcomes import Decision, Registered, RunSpec
 
 PROCESSES = 2
@@ -56,17 +56,17 @@ def mutex_process(
     out: Any,
 ) -> None:
     store = store_from_url(url, namespace=namespace)
-    store.snapshot(now=clock.now(), scope=SCOPE, key=key)  # connect before the start line
+    store.snapshot(scope=SCOPE, key=key)  # connect before the start line
     rng = random.Random(process)
 
     def body(thread: int) -> list[tuple[str, int]]:
         admissions = []
         for round_ in range(ROUNDS):
             spec = RunSpec(SCOPE, key, f"p{process}-t{thread}-r{round_}", limit=limit)
-            assert store.register(spec, now=clock.now()).status is Registered.REGISTERED
+            assert store.register(spec).status is Registered.REGISTERED
             generation = 0
             while True:  # a deferral loop as the broker would run it, minus the delay
-                outcome = store.claim(spec, generation, b"payload", now=clock.now())
+                outcome = store.claim(spec, generation, b"payload")
                 if outcome.decision is Decision.ADMITTED:
                     break
                 assert outcome.decision is Decision.GATED, outcome
@@ -80,7 +80,7 @@ def mutex_process(
             time.sleep(rng.uniform(0.005, 0.015))  # the body
             with counter.get_lock():
                 counter.value -= 1
-            release = store.release(SCOPE, key, spec.run_id, token=outcome.token, now=clock.now())
+            release = store.release(SCOPE, key, spec.run_id, token=outcome.token)
             assert release.released and not release.lost, release
             admissions.append((spec.run_id, outcome.token))
         return admissions
@@ -96,13 +96,13 @@ def cap_process(
     url: str, namespace: str, key: str, depth: int, process: int, barrier: Any, out: Any
 ) -> None:
     store = store_from_url(url, namespace=namespace)
-    store.snapshot(now=clock.now(), scope=SCOPE, key=key)
+    store.snapshot(scope=SCOPE, key=key)
 
     def body(thread: int) -> list[str]:
         statuses = []
         for i in range(ROUNDS):
             spec = RunSpec(SCOPE, key, f"p{process}-t{thread}-{i}", limit=2, max_queue_depth=depth)
-            statuses.append(store.register(spec, now=clock.now()).status.value)
+            statuses.append(store.register(spec).status.value)
         return statuses
 
     try:
@@ -153,7 +153,7 @@ def test_limit_holds_across_processes_and_threads(
     assert peak.value <= limit, f"{peak.value} runs held the key at once (limit {limit})"
     assert peak.value == limit, "the key was never contended: the race did not happen"
     assert counter.value == 0
-    assert parent.snapshot(now=clock.now(), scope=SCOPE, key=key) == []
+    assert parent.snapshot(scope=SCOPE, key=key) == []
 
 
 @real_backends
@@ -170,5 +170,5 @@ def test_cap_holds_across_processes_and_threads(
     assert len(statuses) == PROCESSES * THREADS * ROUNDS
     assert statuses.count("registered") == 2 + depth
     assert statuses.count("full") == len(statuses) - (2 + depth)
-    snaps = parent.snapshot(now=clock.now(), scope=SCOPE, key=key)
+    snaps = parent.snapshot(scope=SCOPE, key=key)
     assert len(snaps) == 1 and len(snaps[0].waiters) == 2 + depth

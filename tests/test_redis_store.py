@@ -26,6 +26,7 @@ from singleton_tasks.outcomes import (
     RunState,
 )
 from singleton_tasks.stores.memory import MemoryStore
+from singleton_tasks.testing import ManualClock, at
 
 redis_mod = pytest.importorskip("redis")
 from singleton_tasks.stores.redis import RedisStore, _run_record, _text  # noqa: E402
@@ -78,9 +79,8 @@ def _redis_state(
     state: dict[tuple[str, str], Any] = {}
     for (scope, key), prefix, meta, ids in zip(keys, prefixes, metas, run_ids, strict=True):
         runs = {run_id.decode("utf-8", "surrogatepass"): _run_record(run_id, next(fields)) for run_id in ids}
-        if not meta:
-            assert not runs
-            continue
+        if not runs:
+            continue  # an idle key: forgotten after retention, whenever the store deletes it
         assert (meta[b"scope"], meta[b"key"]) == (_text(scope), _text(key))
         if strays:
             hashes = list(client.scan_iter(match=prefix + b"run:*", count=1000))
@@ -92,7 +92,7 @@ def _redis_state(
 def _memory_state(store: MemoryStore) -> dict[tuple[str, str], Any]:
     state: dict[tuple[str, str], Any] = {}
     for (ns, scope, key), data in store._server.keys.items():
-        if ns == store.namespace and data.meta is not None:
+        if ns == store.namespace and data.meta is not None and data.runs:
             meta = data.meta
             state[(scope, key)] = ((meta.token, meta.seq, meta.limit), dict(data.runs))
     return state
@@ -109,10 +109,14 @@ class _Differential:
     def __init__(self, seed: int, namespace: str, *, functions: bool = True) -> None:
         self.rng = random.Random(seed)
         timings = Timings(
-            registration_grace=self.rng.choice([0.0, 2.0, 5.0]), settled_ttl=self.rng.choice([3.0, 50.0])
+            registration_grace=self.rng.choice([0.0, 2.0, 5.0]), retention=self.rng.choice([3.0, 50.0])
         )
-        self.memory = MemoryStore(f"memory://diff-{uuid.uuid4().hex}", namespace=namespace, timings=timings)
-        self.redis = RedisStore(REDIS_URL, namespace=namespace, timings=timings, functions=functions)
+        self.memory = MemoryStore(
+            f"memory://diff-{uuid.uuid4().hex}", namespace=namespace, timings=timings, clock=ManualClock()
+        )
+        self.redis = RedisStore(
+            REDIS_URL, namespace=namespace, timings=timings, functions=functions, clock=ManualClock()
+        )
         self.keys = [("scope", self.rng.choice(WEIRD_KEYS)), ("scope", "other"), ("sc2", "other")]
         self.runs = [f"run-{i}" for i in range(6)] + ["run {😀}\n"]
         self.generations: dict[str, set[int]] = {run: {0} for run in self.runs}
@@ -130,6 +134,7 @@ class _Differential:
             max_queue_depth=rng.choice([None, 0, 1, 3]),
             lease=rng.choice([1.5, 4.0, 30.0]),
             orphan_timeout=rng.choice([None, 0.5, 3.0, 20.0]),
+            recheck=rng.choice([0.0, 1.0, 2.5]),
         )
 
     def step(self) -> tuple[str, Any, Any]:
@@ -163,34 +168,34 @@ class _Differential:
         for store in (self.memory, self.redis):
             rng.setstate(saved)  # both stores see the same random choices
             if op == "register":
-                results.append(store.register(self.spec(key, run), now=now, confirmed=rng.random() < 0.6))
+                results.append(at(store, now).register(self.spec(key, run), confirmed=rng.random() < 0.6))
             elif op == "confirm":
-                results.append(store.confirm(*key, run, now=now))
+                results.append(at(store, now).confirm(*key, run))
             elif op == "unregister":
-                results.append(store.unregister(*key, run, now=now))
+                results.append(at(store, now).unregister(*key, run))
             elif op == "park":
-                results.append(store.park(*key, run, b"\x00\xff parked " + run.encode(), now=now))
+                results.append(at(store, now).park(*key, run, b"\x00\xff parked " + run.encode()))
             elif op == "claim":
                 generation = rng.choice([*sorted(self.generations[run])[-3:], rng.randrange(0, 12)])
                 payload = rng.choice([None, b"", b"\x00\xff payload " + run.encode()])
-                results.append(store.claim(self.spec(key, run), generation, payload, now=now))
+                results.append(at(store, now).claim(self.spec(key, run), generation, payload))
             elif op == "suspend":
                 token = rng.choice(sorted(self.tokens[run]))
-                results.append(store.suspend(*key, run, token, now=now, delay=rng.choice([0.5, 5.0])))
+                results.append(at(store, now).suspend(*key, run, token, delay=rng.choice([0.5, 5.0])))
             elif op == "heartbeat":
                 refs = [
                     HolderRef(*rng.choice(self.keys), r, rng.choice(sorted(self.tokens[r])))
                     for r in rng.sample(self.runs, rng.randrange(0, 4))
                 ]
-                results.append(store.heartbeat(refs, now=now))
+                results.append(at(store, now).heartbeat(refs))
             elif op == "release":
                 token = rng.choice([None, *sorted(self.tokens[run])])
                 generation = rng.choice([None, *sorted(self.generations[run])])
-                results.append(store.release(*key, run, token=token, generation=generation, now=now))
+                results.append(at(store, now).release(*key, run, token=token, generation=generation))
             elif op == "operator_release":
-                results.append(store.operator_release(run, now=now))
+                results.append(at(store, now).operator_release(run))
             else:
-                results.append(store.snapshot(now=now))
+                results.append(at(store, now).snapshot())
         memory, redis_result = results
         self.learn(run, memory)
         return op, memory, redis_result
@@ -222,6 +227,8 @@ def _coverage(op: str, outcome: Any) -> set[str]:
             ]
             if hit
         }
+        if outcome.removed:
+            seen.add("claim-removed")
     elif isinstance(outcome, ReleaseOutcome):
         seen |= {
             name
@@ -235,7 +242,7 @@ def _coverage(op: str, outcome: Any) -> set[str]:
         }
     elif op == "register":
         seen.add(outcome.status.value)
-    elif op == "heartbeat" and outcome:
+    elif op == "heartbeat" and outcome.lost:
         seen.add("heartbeat-lost")
     elif op == "suspend" and outcome:
         seen.add("suspended")
@@ -271,14 +278,17 @@ def test_same_answers_and_state_as_memory_store(namespace: str, functions: bool)
         "full",
         "heartbeat-lost",
         "suspended",
+        "claim-removed",
     }
     assert seen >= expected, f"the sequences missed {expected - seen}"
 
 
 def _on_both(namespace: str, steps: list[Any], timings: Timings | None = None) -> list[Any]:
     """Run the same steps on a memory and a Redis store; their answers must be equal."""
-    memory = MemoryStore(f"memory://both-{uuid.uuid4().hex}", namespace=namespace, timings=timings)
-    redis_store = RedisStore(REDIS_URL, namespace=namespace, timings=timings)
+    memory = MemoryStore(
+        f"memory://both-{uuid.uuid4().hex}", namespace=namespace, timings=timings, clock=ManualClock()
+    )
+    redis_store = RedisStore(REDIS_URL, namespace=namespace, timings=timings, clock=ManualClock())
     answers = []
     for i, step in enumerate(steps):
         expected, got = step(memory), step(redis_store)
@@ -290,56 +300,74 @@ def _on_both(namespace: str, steps: list[Any], timings: Timings | None = None) -
 
 def test_boundaries_match_the_memory_store(namespace: str) -> None:
     """Exact time boundaries the random sequences rarely hit (strict vs non-strict comparisons)."""
-    a, p, q = (RunSpec("s", "k", run, lease=10.0, orphan_timeout=5.0) for run in ("a", "p", "q"))
+    a, p, q = (RunSpec("s", "k", run, lease=10.0, orphan_timeout=5.0, recheck=1.0) for run in ("a", "p", "q"))
+    tokens: dict[str, int] = {}
+
+    def admitted(spec: RunSpec, generation: int, now: float) -> Any:
+        def step(st: Any) -> Any:
+            outcome = at(st, now).claim(spec, generation, None)
+            tokens[spec.run_id] = outcome.token
+            return outcome
+
+        return step
+
     answers = _on_both(
         namespace,
         [
-            lambda st: st.claim(a, 0, None, now=0.0),
-            lambda st: st.claim(a, 0, None, now=10.0),  # lease ends exactly now: lapsed, a takeover
-            lambda st: st.heartbeat([HolderRef("s", "k", "a", 2)], now=11.0),
-            lambda st: st.register(p, now=12.0),
-            lambda st: st.claim(
-                q, 0, None, now=17.0
-            ),  # p registered exactly orphan_timeout ago: not passed over
-            lambda st: st.release("s", "k", "a", token=2, now=17.0),
-            lambda st: st.claim(q, 1, None, now=17.5),  # now p is passed over: q takes the slot
-            lambda st: st.claim(
-                RunSpec("s", "k", "a"), 0, None, now=17.5
-            ),  # settled generation 0: a new claim
-            lambda st: st.release("s", "k", "q", token=3, now=18.0),
+            admitted(a, 0, 0.0),
+            admitted(a, 0, 10.0),  # the lease ends exactly now: lapsed, a takeover
+            lambda st: at(st, 11.0).heartbeat([HolderRef("s", "k", "a", tokens["a"])]),
+            lambda st: at(st, 12.0).register(p),
+            lambda st: at(st, 18.0).claim(q, 0, None),  # p seen orphan + recheck ago: not passed over
+            lambda st: at(st, 18.0).release("s", "k", "a", token=tokens["a"]),
+            admitted(q, 0, 18.5),  # now p is passed over: q takes the slot (q's copy 0 is still live)
+            lambda st: at(st, 18.5).claim(RunSpec("s", "k", "a"), 0, None),  # settled generation 0: new claim
+            lambda st: at(st, 19.0).release("s", "k", "q", token=tokens["q"]),
+            lambda st: at(st, 38.0).claim(q, 0, None),  # p passed over exactly retention ago: kept
+            lambda st: at(st, 38.5).claim(q, 0, None),  # now p is removed
         ],
-        timings=Timings(settled_ttl=1.0),
+        timings=Timings(retention=20.0),
     )
     assert [answer.decision for answer in answers[:2]] == [Decision.ADMITTED, Decision.ADMITTED]
     assert answers[1].takeover
     assert answers[4].decision is Decision.GATED and answers[4].position == 2
     assert answers[6].decision is Decision.ADMITTED
     assert answers[7].decision is Decision.GATED
+    assert answers[9].removed == () and answers[10].removed == ("p",)
     answers = _on_both(
         namespace + "b",
         [
-            lambda st: st.claim(a, 0, None, now=0.0),
-            lambda st: st.release("s", "k", "a", token=1, now=1.0),
-            lambda st: st.claim(a, 1, None, now=1.5),  # marker live, other generation: stale
-            lambda st: st.claim(a, 1, None, now=2.0),  # the marker expires exactly now: first sight
-            lambda st: st.register(p, now=3.0, confirmed=False),
-            lambda st: st.register(q, now=13.0),  # p registered exactly the grace ago: still counted
-            lambda st: st.claim(q, 0, None, now=13.0),
+            admitted(a, 0, 100.0),
+            lambda st: at(st, 101.0).release("s", "k", "a", token=tokens["a"]),
+            lambda st: at(st, 101.5).claim(a, 1, None),  # marker live, other generation: stale
+            # The marker expires exactly now; generation 1 was issued long before retention: stale.
+            lambda st: at(st, 102.0).claim(a, 1, None),
+            lambda st: at(st, 102.0).claim(a, 101_000_000, None),  # issued exactly retention ago: a claim
+            lambda st: at(st, 103.0).register(p, confirmed=False),
+            lambda st: at(st, 113.0).register(q),  # p registered exactly the grace ago: still counted
+            lambda st: at(st, 113.0).claim(q, 0, None),
+            lambda st: at(st, 113.0).release("s", "k", "a", token=None),
+            lambda st: at(st, 113.0).release("s", "k", "q", token=None),
+            lambda st: at(st, 113.0).release("s", "k", "p", token=None),
+            lambda st: at(st, 114.0).register(q),  # idle until exactly now: the key is remembered
+            lambda st: at(st, 114.0).unregister("s", "k", "q"),
+            lambda st: at(st, 115.0000001).claim(q, 0, None),  # now it is forgotten: seq and token anew
         ],
-        timings=Timings(settled_ttl=1.0, registration_grace=10.0),
+        timings=Timings(retention=1.0, registration_grace=10.0),
     )
-    assert [answer.decision for answer in (answers[2], answers[3])] == [Decision.STALE, Decision.ADMITTED]
-    assert answers[5].in_flight == 3
+    assert [answer.decision for answer in answers[2:5]] == [Decision.STALE, Decision.STALE, Decision.ADMITTED]
+    assert answers[6].in_flight == 3
+    assert answers[13].decision is Decision.ADMITTED and answers[13].token == 115_000_000
 
 
 def test_hash_tag_hides_the_key_and_key_text_round_trips(namespace: str) -> None:
     store = RedisStore(REDIS_URL, namespace=namespace)
     for key in WEIRD_KEYS:
         spec = RunSpec("scope {x}", key, f"r-{key}")
-        assert store.claim(spec, 0, b"\x00\x01", now=1.0).decision is Decision.ADMITTED
-    snaps = store.snapshot(now=2.0)
+        assert store.claim(spec, 0, b"\x00\x01").decision is Decision.ADMITTED
+    snaps = store.snapshot()
     assert sorted(s.key for s in snaps) == sorted(WEIRD_KEYS)
-    assert [s.key for s in store.snapshot(now=2.0, scope="scope {x}", key="nul\0byte")] == ["nul\0byte"]
+    assert [s.key for s in store.snapshot(scope="scope {x}", key="nul\0byte")] == ["nul\0byte"]
     for redis_key in store._client.scan_iter(match=f"{namespace}:*"):
         if redis_key == f"{namespace}:schema".encode():
             continue
@@ -348,39 +376,41 @@ def test_hash_tag_hides_the_key_and_key_text_round_trips(namespace: str) -> None
     store.close()
 
 
-def test_an_empty_key_keeps_only_its_token_counter(namespace: str) -> None:
-    store = RedisStore(REDIS_URL, namespace=namespace, timings=Timings(settled_ttl=5.0))
+def test_an_idle_key_keeps_only_its_counters_until_retention(namespace: str) -> None:
+    store = RedisStore(REDIS_URL, namespace=namespace, retention=5.0, clock=ManualClock(1.0))
     specs = [RunSpec("s", "k", f"r{i}", limit=1) for i in range(3)]
     for spec in specs:
-        store.register(spec, now=1.0, confirmed=False)
-    first = store.claim(specs[0], 0, b"p", now=2.0)
+        at(store, 1.0).register(spec, confirmed=False)
+    first = at(store, 2.0).claim(specs[0], 0, b"p")
     assert first.decision is Decision.ADMITTED
-    gated = store.claim(specs[1], 0, b"p", now=2.0)
+    gated = at(store, 2.0).claim(specs[1], 0, b"p")
     assert gated.decision is Decision.GATED
-    assert store.unregister("s", "k", "r2", now=2.0)
-    release = store.release("s", "k", "r0", token=first.token, now=3.0)
+    assert at(store, 2.0).unregister("s", "k", "r2")
+    release = at(store, 3.0).release("s", "k", "r0", token=first.token)
     assert [w.run_id for w in release.wakes] == ["r1"]
-    woken = store.claim(specs[1], release.wakes[0].generation, None, now=3.0)
+    woken = at(store, 3.0).claim(specs[1], release.wakes[0].generation, None)
     assert woken.decision is Decision.ADMITTED
-    assert store.release("s", "k", "r1", token=woken.token, now=4.0).released
+    assert at(store, 4.0).release("s", "k", "r1", token=woken.token).released
     names = sorted(k.split(b"}:", 1)[1] for k in store._client.scan_iter(match=f"{namespace}:{{*"))
     assert names == [b"meta", b"settled:r0", b"settled:r1"]
     prefix = store._prefix("s", "k")
-    assert store._client.hgetall(prefix + b"meta")[b"seq"] == b"0"
-    assert store._client.hgetall(prefix + b"meta")[b"token"] == b"2"
-    assert 0 < store._client.pttl(prefix + b"settled:r0") <= 5000
+    meta = store._client.hgetall(prefix + b"meta")
+    assert (meta[b"seq"], meta[b"token"], meta[b"idle_until"]) == (b"0", str(woken.token).encode(), b"9")
+    # Redis deletes all three after retention: nothing is left of the key.
+    for name in names:
+        assert 0 < store._client.pttl(prefix + name) <= 5000
     store.close()
 
 
 def test_each_thread_pins_its_own_connection_and_returns_it(namespace: str) -> None:
     store = RedisStore(REDIS_URL, namespace=namespace)
-    store.register(RunSpec("s", "main", "main"), now=1.0)
+    store.register(RunSpec("s", "main", "main"))
     ids = {"main": store._thread_client().client_id()}
 
     both_running = threading.Barrier(2)
 
     def operate(name: str) -> None:
-        store.register(RunSpec("s", name, name), now=1.0)
+        store.register(RunSpec("s", name, name))
         ids[name] = store._thread_client().client_id()
         # A thread that ended first would hand its connection back for the other to reuse.
         both_running.wait(10)
@@ -401,14 +431,14 @@ def test_a_dropped_pinned_connection_fails_one_operation_then_reconnects(namespa
     # operation that finds out fails as unavailable (never re-sent: a script may have run), and
     # the next one makes the connection again.
     store = RedisStore(REDIS_URL, namespace=namespace)
-    store.register(RunSpec("s", "k", "first"), now=1.0)
+    store.register(RunSpec("s", "k", "first"))
     dropped = store._thread_client().client_id()
     killer = redis_mod.Redis.from_url(REDIS_URL)
     assert killer.client_kill_filter(_id=dropped) == 1
     killer.close()
     with pytest.raises(StoreUnavailableError):
-        store.register(RunSpec("s", "k", "second"), now=2.0)
-    outcome = store.register(RunSpec("s", "k", "second"), now=2.0)
+        store.register(RunSpec("s", "k", "second"))
+    outcome = store.register(RunSpec("s", "k", "second"))
     assert outcome.status is Registered.REGISTERED and outcome.in_flight == 2
     assert store._thread_client().client_id() != dropped
     store.close()
@@ -416,13 +446,13 @@ def test_a_dropped_pinned_connection_fails_one_operation_then_reconnects(namespa
 
 def test_a_forked_child_uses_its_own_connection(namespace: str) -> None:
     store = RedisStore(REDIS_URL, namespace=namespace)
-    store.register(RunSpec("s", "k", "parent"), now=1.0)
+    store.register(RunSpec("s", "k", "parent"))
     parent_id = store._thread_client().client_id()
     pid = os.fork()
     if pid == 0:  # the child: never return into pytest
         code = 2
         try:
-            store.register(RunSpec("s", "k", "child"), now=1.0)
+            store.register(RunSpec("s", "k", "child"))
             code = 0 if store._thread_client().client_id() != parent_id else 1
         finally:
             os._exit(code)
@@ -430,7 +460,7 @@ def test_a_forked_child_uses_its_own_connection(namespace: str) -> None:
     assert os.waitstatus_to_exitcode(status) == 0
     # The child's exit did not break the parent's connection.
     assert store._thread_client().client_id() == parent_id
-    assert [s.key for s in store.snapshot(now=1.0)] == ["k"]
+    assert [s.key for s in store.snapshot()] == ["k"]
     store.close()
 
 
@@ -438,13 +468,13 @@ def test_store_errors_are_unavailable_and_redacted() -> None:
     store = RedisStore("redis://user:hunter2@127.0.0.1:1/0", socket_connect_timeout=0.5)
     assert "hunter2" not in repr(store)
     with pytest.raises(StoreUnavailableError) as info:
-        store.register(RunSpec("s", "k", "r"), now=1.0)
+        store.register(RunSpec("s", "k", "r"))
     assert "hunter2" not in str(info.value) and "***" in str(info.value)
     assert isinstance(info.value.__cause__, redis_mod.exceptions.ConnectionError)
     for call in (
-        lambda: store.snapshot(now=1.0),
+        lambda: store.snapshot(),
         store.schema_version,
-        lambda: store.heartbeat([HolderRef("s", "k", "r", 1)], now=1.0),
+        lambda: store.heartbeat([HolderRef("s", "k", "r", 1)]),
     ):
         with pytest.raises(StoreUnavailableError):
             call()
@@ -470,15 +500,15 @@ def test_schema_version_and_migrate(namespace: str) -> None:
 
 
 def test_states_survive_the_round_trip(namespace: str) -> None:
-    store = RedisStore(REDIS_URL, namespace=namespace)
+    store = RedisStore(REDIS_URL, namespace=namespace, clock=ManualClock())
     now = 1234567890.1234567
     spec = RunSpec("s", "k", "r", lease=0.1)
-    store.register(spec, now=now)
-    outcome = store.claim(spec, 0, None, now=now)
-    holder = store.snapshot(now=now)[0].holders[0]
-    assert outcome.token == holder.token == 1
+    at(store, now).register(spec)
+    outcome = at(store, now).claim(spec, 0, None)
+    holder = at(store, now).snapshot()[0].holders[0]
+    assert outcome.token == holder.token == 1234567890123456
     assert holder.admitted_at == now and holder.lease_expires_at == now + 0.1
     waiter = RunSpec("s", "k", "w")
-    store.register(waiter, now=now + 0.3, confirmed=False)
-    assert store.snapshot(now=now)[0].waiters[0].state is RunState.PENDING
+    at(store, now + 0.3).register(waiter, confirmed=False)
+    assert at(store, now).snapshot()[0].waiters[0].state is RunState.PENDING
     store.close()

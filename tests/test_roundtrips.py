@@ -86,12 +86,12 @@ def store(redis_url: str, call: str) -> Iterator[Store]:
     store.migrate()
     # Load every script and open the connection, so the measured calls are warm.
     spec = RunSpec("warm", "up", "w", limit=1)
-    store.register(spec, now=1.0)
-    outcome = store.claim(spec, 0, None, now=1.0)
+    store.register(spec)
+    outcome = store.claim(spec, 0, None)
     assert outcome.token is not None
-    store.heartbeat([HolderRef("warm", "up", "w", outcome.token)], now=1.0)
-    store.suspend("warm", "up", "w", outcome.token, now=1.0, delay=1.0)
-    store.release("warm", "up", "w", token=outcome.token, now=1.0)
+    store.heartbeat([HolderRef("warm", "up", "w", outcome.token)])
+    store.suspend("warm", "up", "w", outcome.token, delay=1.0)
+    store.release("warm", "up", "w", token=outcome.token)
     yield store
     store.close()
 
@@ -142,15 +142,15 @@ def assert_one_call(call: str, sent: list[str], deltas: dict[str, int], what: st
 
 def test_uncontended_run_costs_three_round_trips(store: Store, redis_url: str, call: str) -> None:
     spec = RunSpec("tasks.sync", "store:7", "run-1", limit=1, max_queue_depth=2)
-    outcome, sent, deltas = commands_sent(redis_url, lambda: store.register(spec, now=10.0))
+    outcome, sent, deltas = commands_sent(redis_url, lambda: store.register(spec))
     assert outcome.status is Registered.REGISTERED
     assert_one_call(call, sent, deltas)
-    outcome, sent, deltas = commands_sent(redis_url, lambda: store.claim(spec, 0, b"payload", now=11.0))
+    outcome, sent, deltas = commands_sent(redis_url, lambda: store.claim(spec, 0, b"payload"))
     assert outcome.decision is Decision.ADMITTED
     assert_one_call(call, sent, deltas)
     token = outcome.token
     outcome, sent, deltas = commands_sent(
-        redis_url, lambda: store.release("tasks.sync", "store:7", "run-1", token=token, now=12.0)
+        redis_url, lambda: store.release("tasks.sync", "store:7", "run-1", token=token)
     )
     assert outcome.released
     assert_one_call(call, sent, deltas)
@@ -158,12 +158,12 @@ def test_uncontended_run_costs_three_round_trips(store: Store, redis_url: str, c
 
 def test_gating_and_handoff_cost_one_round_trip_each(store: Store, redis_url: str, call: str) -> None:
     holder, waiter = RunSpec("tasks.sync", "k", "holder"), RunSpec("tasks.sync", "k", "waiter")
-    token = store.claim(holder, 0, None, now=10.0).token
-    outcome, sent, deltas = commands_sent(redis_url, lambda: store.claim(waiter, 0, b"p", now=11.0))
+    token = store.claim(holder, 0, None).token
+    outcome, sent, deltas = commands_sent(redis_url, lambda: store.claim(waiter, 0, b"p"))
     assert outcome.decision is Decision.GATED
     assert_one_call(call, sent, deltas)
     outcome, sent, deltas = commands_sent(
-        redis_url, lambda: store.release("tasks.sync", "k", "holder", token=token, now=12.0)
+        redis_url, lambda: store.release("tasks.sync", "k", "holder", token=token)
     )
     assert [w.run_id for w in outcome.wakes] == ["waiter"]  # the wake is decided in the same call
     assert_one_call(call, sent, deltas)
@@ -173,11 +173,11 @@ def test_heartbeat_of_many_holders_is_one_round_trip(store: Store, redis_url: st
     refs = []
     for i in range(5):
         spec = RunSpec("tasks.sync", f"key-{i}", f"run-{i}")
-        token = store.claim(spec, 0, None, now=10.0).token
+        token = store.claim(spec, 0, None).token
         assert token is not None
         refs.append(HolderRef("tasks.sync", f"key-{i}", f"run-{i}", token))
-    lost, sent, deltas = commands_sent(redis_url, lambda: store.heartbeat(refs, now=11.0))
-    assert lost == []
+    beat, sent, deltas = commands_sent(redis_url, lambda: store.heartbeat(refs))
+    assert beat.lost == ()
     assert_one_call(call, sent, deltas)
 
 
@@ -188,20 +188,22 @@ def test_every_operation_is_one_call(store: Store, redis_url: str, call: str) ->
         loader.script_load(script.script)
     loader.close()
     spec = RunSpec("s", "k", "r1")
+    token = 1
     ops: list[Callable[[], Any]] = [
-        lambda: store.register(spec, now=1.0, confirmed=False),
-        lambda: store.confirm("s", "k", "r1", now=1.0),
-        lambda: store.claim(spec, 0, b"x", now=2.0),
-        lambda: store.heartbeat([HolderRef("s", "k", "r1", 1), HolderRef("s", "k2", "r9", 4)], now=3.0),
-        lambda: store.suspend("s", "k", "r1", 1, now=3.0, delay=1.0),
-        lambda: store.release("s", "k", "r1", token=1, now=4.0),
-        lambda: store.register(RunSpec("s", "k", "r2"), now=5.0),
-        lambda: store.unregister("s", "k", "r2", now=5.0),
-        lambda: store.snapshot(now=5.0, scope="s", key="k"),
+        lambda: store.register(spec, confirmed=False),
+        lambda: store.confirm("s", "k", "r1"),
+        lambda: store.claim(spec, 0, b"x"),
+        lambda: store.heartbeat([HolderRef("s", "k", "r1", token), HolderRef("s", "k2", "r9", 4)]),
+        lambda: store.suspend("s", "k", "r1", token, delay=1.0),
+        lambda: store.release("s", "k", "r1", token=token),
+        lambda: store.register(RunSpec("s", "k", "r2")),
+        lambda: store.unregister("s", "k", "r2"),
+        lambda: store.snapshot(scope="s", key="k"),
     ]
     for number, op in enumerate(ops):
-        _, sent, deltas = commands_sent(redis_url, op)
+        outcome, sent, deltas = commands_sent(redis_url, op)
         assert_one_call(call, sent, deltas, what=f"operation {number}")
+        token = getattr(outcome, "token", None) or token
 
 
 def test_a_flushed_server_gets_its_scripts_again_and_the_call_runs_once(
@@ -212,14 +214,14 @@ def test_a_flushed_server_gets_its_scripts_again_and_the_call_runs_once(
     admin.execute_command("FUNCTION FLUSH" if call == "FCALL" else "SCRIPT FLUSH")
     admin.close()
     spec = RunSpec("s", "flushed", "r1", limit=1)
-    outcome, sent, _ = commands_sent(redis_url, lambda: store.register(spec, now=1.0))
+    outcome, sent, _ = commands_sent(redis_url, lambda: store.register(spec))
     # Registered exactly once: a call that ran twice would answer EXISTS the second time.
     assert outcome.status is Registered.REGISTERED, outcome
     load = "FUNCTION" if call == "FCALL" else "SCRIPT"
     assert verbs(sent)[-2:] == [load, call], sent
-    [snap] = store.snapshot(now=1.0, scope="s", key="flushed")
+    [snap] = store.snapshot(scope="s", key="flushed")
     assert [w.run_id for w in snap.waiters] == ["r1"]
-    outcome, sent, deltas = commands_sent(redis_url, lambda: store.claim(spec, 0, None, now=2.0))
+    outcome, sent, deltas = commands_sent(redis_url, lambda: store.claim(spec, 0, None))
     assert outcome.decision is Decision.ADMITTED
     if call == "FCALL":  # one load brought every operation back
         assert_one_call(call, sent, deltas)
@@ -241,8 +243,8 @@ def test_a_user_who_may_not_use_functions_gets_the_scripts_by_evalsha(
     try:
         store.migrate()
         spec = RunSpec("s", "k", "r1")
-        assert store.register(spec, now=1.0).status is Registered.REGISTERED  # finds out, falls back
-        outcome, sent, deltas = commands_sent(redis_url, lambda: store.claim(spec, 0, None, now=2.0))
+        assert store.register(spec).status is Registered.REGISTERED  # finds out, falls back
+        outcome, sent, deltas = commands_sent(redis_url, lambda: store.claim(spec, 0, None))
         assert outcome.decision is Decision.ADMITTED
         assert_one_call("EVALSHA", sent, deltas)
     finally:
@@ -262,9 +264,9 @@ def test_a_function_call_forgets_what_the_previous_calls_saw(redis_url: str) -> 
         with_functions.migrate()
         first = RunSpec("s", "shared", "first", limit=1, max_queue_depth=0)
         second = RunSpec("s", "shared", "second", limit=1, max_queue_depth=0)
-        assert with_functions.register(first, now=1.0).status is Registered.REGISTERED
-        assert by_evalsha.unregister("s", "shared", "first", now=2.0)
-        assert with_functions.register(second, now=3.0).status is Registered.REGISTERED
+        assert with_functions.register(first).status is Registered.REGISTERED
+        assert by_evalsha.unregister("s", "shared", "first")
+        assert with_functions.register(second).status is Registered.REGISTERED
     finally:
         with_functions.close()
         by_evalsha.close()
@@ -288,7 +290,7 @@ def test_processes_loading_the_library_at_once_all_go_on(redis_url: str) -> None
         outcomes: list[Any] = []
 
         def register(store: Store) -> None:
-            outcomes.append(store.register(RunSpec("s", "k", "r"), now=1.0))
+            outcomes.append(store.register(RunSpec("s", "k", "r")))
 
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(redis.Redis, "function_load", load_together)

@@ -25,6 +25,10 @@ from ..gate import KeyMeta, KeyTransaction, RunRecord
 from ..outcomes import HolderRef, KeySnapshot, RunState
 from .base import SCHEMA_VERSION, RuleStore, snapshot_of
 
+#: How many expired settled markers (or idle keys) one settlement (or one key going idle) sweeps:
+#: more than it adds, so expired state never piles up while the namespace is in use.
+SWEEP_BATCH = 2
+
 _SECTION = re.compile(r"^-- name: (\w+)(?: \((\w+)\))?[ \t]*$", re.MULTILINE)
 _NAMED = re.compile(r"(?<![:\w]):(\w+)")
 _MIGRATION = re.compile(r"^(\d{4})_\w+\.sql$")
@@ -73,6 +77,18 @@ def _pyformat(sql: str) -> str:
     return _NAMED.sub(r"%(\1)s", sql.replace("%", "%%"))
 
 
+_ADD_COLUMN = re.compile(r"^\s*ALTER\s+TABLE\s+\w+\s+ADD\s+COLUMN\s", re.IGNORECASE)
+
+
+def _sqlite_column_exists(statement: str, error: Exception) -> bool:
+    """A re-applied ``ADD COLUMN`` (SQLite has no ``IF NOT EXISTS`` for it): the column is there."""
+    return bool(_ADD_COLUMN.match(_strip_comments(statement))) and "duplicate column name" in str(error)
+
+
+def _never(statement: str, error: Exception) -> bool:
+    return False
+
+
 @dataclass(frozen=True)
 class Dialect:
     """What differs between the SQL stores' databases, beyond the per-dialect SQL files."""
@@ -82,9 +98,13 @@ class Dialect:
     statements: Callable[[str], list[str]]  # a script → what one execute() call accepts
     store_text: Callable[[str], str] = _same  # a namespace, scope, key or run id → its column value
     load_text: Callable[[str], str] = _same  # and back
+    #: A migration statement's error that means "already done" (migrations must re-apply safely).
+    already_applied: Callable[[str, Exception], bool] = _never
 
 
-SQLITE = Dialect("sqlite", convert=_same, statements=_sqlite_statements)
+SQLITE = Dialect(
+    "sqlite", convert=_same, statements=_sqlite_statements, already_applied=_sqlite_column_exists
+)
 POSTGRES = Dialect(
     "postgres",
     convert=_pyformat,
@@ -199,7 +219,11 @@ class SQLCursor:
     def script(self, script: str) -> None:
         """Execute a schema or migration script (no parameters) inside the current transaction."""
         for statement in self.dialect.statements(script):
-            self._execute(statement, None)
+            try:
+                self._execute(statement, None)
+            except StoreUnavailableError as error:
+                if not self.dialect.already_applied(statement, error):
+                    raise
 
 
 def _record(row: Sequence[Any], load_text: Callable[[str], str]) -> RunRecord:
@@ -221,6 +245,9 @@ def _record(row: Sequence[Any], load_text: Callable[[str], str]) -> RunRecord:
         executing,
         lease,
         orphan_timeout,
+        recheck,
+        seen_at,
+        passed_over_at,
     ) = row
     return RunRecord(
         run_id=load_text(str(run_id)),
@@ -239,6 +266,9 @@ def _record(row: Sequence[Any], load_text: Callable[[str], str]) -> RunRecord:
         executing=bool(executing),
         lease=float(lease),
         orphan_timeout=None if orphan_timeout is None else float(orphan_timeout),
+        recheck=float(recheck),
+        seen_at=float(seen_at),
+        passed_over_at=None if passed_over_at is None else float(passed_over_at),
     )
 
 
@@ -250,34 +280,39 @@ class SQLKeyTransaction(KeyTransaction):
     count several times per operation, and each question would be a round trip.
     """
 
-    def __init__(self, cursor: SQLCursor, namespace: str, scope: str, key: str) -> None:
+    def __init__(self, cursor: SQLCursor, namespace: str, scope: str, key: str, *, now: float | None) -> None:
         self._cursor = cursor
         self._text = cursor.dialect.store_text
         self._load = cursor.dialect.load_text
-        self._key = {"namespace": self._text(namespace), "scope": self._text(scope), "key": self._text(key)}
+        self._namespace = {"namespace": self._text(namespace)}
+        self._key = {**self._namespace, "scope": self._text(scope), "key": self._text(key)}
+        self._now_arg = now  # the clock to decide at (None: the database server's)
+        self._now = 0.0
         self._meta = KeyMeta()  # the key row as stored, so unchanged counters are not rewritten
         self._runs: dict[str, RunRecord | None] = {}  # run id -> its row as it is now (None: absent)
         self._holders: dict[str, RunRecord] | None = None  # with _count: loaded together, kept exact
         self._count = 0
 
     def lock(self, *, create: bool) -> bool:
-        """Lock the key's row, creating it if ``create``; False if it does not exist."""
+        """Lock the key's row, creating it if ``create``; False if it does not exist.
+
+        The lock's query also reads the store's clock, once the lock is held.
+        """
         for _attempt in range(10):
-            row = self._cursor.one("lock_key", self._key)
+            row = self._cursor.one("lock_key", {**self._key, "now": self._now_arg})
             if row is not None:
-                self._meta = KeyMeta(token=int(row[0]), seq=int(row[1]), limit=int(row[2]))
+                idle_until = None if row[3] is None else float(row[3])
+                self._meta = KeyMeta(
+                    token=int(row[0]), seq=int(row[1]), limit=int(row[2]), idle_until=idle_until
+                )
+                self._now = float(row[4])
                 return True
             if not create:
                 return False
             # Another transaction may create it first (we then wait for it) or delete it while
-            # we wait for its lock (an unused key): either way, look again.
+            # we wait for its lock (an idle key forgotten): either way, look again.
             self._cursor.run("insert_key", self._key)
         raise StoreUnavailableError(f"could not lock key {self._key['key']!r}: it keeps disappearing")
-
-    def finish(self) -> None:
-        """A key that never admitted a run and has none left leaves no row behind (SPEC §8)."""
-        if self._meta.token == 0 and self.count_runs() == 0:
-            self._cursor.run("delete_key", self._key)
 
     def _summary(self) -> dict[str, RunRecord]:
         """The holders and the number of runs, in one round trip, once."""
@@ -299,16 +334,29 @@ class SQLKeyTransaction(KeyTransaction):
         self._runs[run.run_id] = run
         return run
 
+    def now(self) -> float:
+        return self._now
+
     def meta(self) -> KeyMeta | None:
         return replace(self._meta)
 
     def save_meta(self, meta: KeyMeta) -> None:
         if meta == self._meta:
             return
+        became_idle = meta.idle_until is not None and self._meta.idle_until is None
         self._cursor.run(
-            "update_key", {**self._key, "token": meta.token, "seq": meta.seq, "slot_limit": meta.limit}
+            "update_key",
+            {
+                **self._key,
+                "token": meta.token,
+                "seq": meta.seq,
+                "slot_limit": meta.limit,
+                "idle_until": meta.idle_until,
+            },
         )
         self._meta = replace(meta)
+        if became_idle:  # one key more to forget some day: forget a few whose day has come
+            self._cursor.run("sweep_keys", {**self._namespace, "now": self._now, "count": SWEEP_BATCH})
 
     def get_run(self, run_id: str) -> RunRecord | None:
         if run_id not in self._runs:
@@ -338,6 +386,9 @@ class SQLKeyTransaction(KeyTransaction):
                 "executing": run.executing,
                 "lease": run.lease,
                 "orphan_timeout": run.orphan_timeout,
+                "recheck": run.recheck,
+                "seen_at": run.seen_at,
+                "passed_over_at": run.passed_over_at,
             },
         )
         if self._holders is not None:
@@ -378,10 +429,16 @@ class SQLKeyTransaction(KeyTransaction):
         row = self._cursor.one("waiters_before", {**self._key, "seq": seq})
         return int(row[0]) if row else 0
 
-    def unconfirmed_before(self, created_before: float) -> list[str]:
+    def count_passed_over(self, now: float) -> int:
+        if not self._waiters_exist():
+            return 0
+        row = self._cursor.one("count_passed_over", {**self._key, "now": now})
+        return int(row[0]) if row else 0
+
+    def passed_over_before(self, before: float) -> list[str]:
         if not self._waiters_exist():
             return []
-        rows = self._cursor.all("unconfirmed_before", {**self._key, "created_before": created_before})
+        rows = self._cursor.all("passed_over_before", {**self._key, "before": before})
         return [self._load(str(row[0])) for row in rows]
 
     def settled_generation(self, run_id: str, now: float) -> int | None:
@@ -389,7 +446,8 @@ class SQLKeyTransaction(KeyTransaction):
         return None if row is None else int(row[0])
 
     def mark_settled(self, run_id: str, generation: int, expires_at: float, now: float) -> None:
-        self._cursor.run("delete_expired_settled", {**self._key, "now": now})
+        # One marker more: sweep a few expired ones of the namespace, so they never pile up.
+        self._cursor.run("sweep_settled", {**self._namespace, "now": now, "count": SWEEP_BATCH})
         self._cursor.run(
             "mark_settled",
             {**self._key, "run_id": self._text(run_id), "generation": generation, "expires_at": expires_at},
@@ -411,34 +469,49 @@ class SQLStore(RuleStore):
         ``write``: the transaction will write (SQLite takes its write lock before reading).
         """
 
+    @abc.abstractmethod
+    def _now_arg(self) -> float | None:
+        """The time the database is asked to decide at: None for the server's own clock."""
+
     @contextlib.contextmanager
     def transaction(self, scope: str, key: str) -> Iterator[KeyTransaction]:
         with self._begin(write=True) as cursor:
-            tx = SQLKeyTransaction(cursor, self.namespace, scope, key)
+            tx = SQLKeyTransaction(cursor, self.namespace, scope, key, now=self._now_arg())
             tx.lock(create=True)
             yield tx
-            tx.finish()
 
-    def _heartbeat_batch(self, holders: Sequence[HolderRef], now: float) -> list[bool]:
+    def _heartbeat_batch(self, holders: Sequence[HolderRef]) -> tuple[list[bool], float]:
         alive = [False] * len(holders)
-        if not holders:
-            return alive
         by_key: dict[tuple[str, str], list[int]] = defaultdict(list)
         for index, ref in enumerate(holders):
             by_key[(ref.scope, ref.key)].append(index)
+        store_time: float | None = None
         with self._begin(write=True) as cursor:
             # One transaction for the batch; keys locked in sorted order, so two batches never
             # deadlock (every other transaction locks a single key).
             for scope, key in sorted(by_key):
-                tx = SQLKeyTransaction(cursor, self.namespace, scope, key)
+                tx = SQLKeyTransaction(cursor, self.namespace, scope, key, now=self._now_arg())
                 if not tx.lock(create=False):
                     continue  # no key row: none of these runs holds anything
+                store_time = tx.now()
                 for index in by_key[(scope, key)]:
                     ref = holders[index]
-                    alive[index] = gate.heartbeat(tx, ref.run_id, ref.token, now=now)
-        return alive
+                    alive[index] = gate.heartbeat(tx, ref.run_id, ref.token)
+        return alive, self.time() if store_time is None else store_time
 
-    def snapshot(self, *, now: float, scope: str | None = None, key: str | None = None) -> list[KeySnapshot]:
+    def sweep(self) -> int:
+        """Forget expired settled markers and idle keys of the namespace, in small transactions."""
+        swept, params = 0, {"namespace": self.dialect.store_text(self.namespace), "count": 500}
+        while True:
+            now = self.time()
+            with self._begin(write=True) as cursor:
+                batch = cursor.run("sweep_settled", {**params, "now": now})
+                batch += cursor.run("sweep_keys", {**params, "now": now})
+            swept += batch
+            if batch == 0:
+                return swept
+
+    def snapshot(self, *, scope: str | None = None, key: str | None = None) -> list[KeySnapshot]:
         text, load = self.dialect.store_text, self.dialect.load_text
         with self._begin(write=False) as cursor:
             rows = cursor.all(

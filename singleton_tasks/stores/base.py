@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import dataclasses
 import re
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import ClassVar
 from urllib.parse import urlsplit, urlunsplit
 
@@ -14,6 +16,7 @@ from ..errors import SingletonConfigError
 from ..gate import KeyMeta, KeyTransaction, RunRecord, Timings
 from ..outcomes import (
     ClaimOutcome,
+    HeartbeatOutcome,
     HolderRef,
     HolderView,
     KeySnapshot,
@@ -25,7 +28,11 @@ from ..outcomes import (
     Wake,
 )
 
-SCHEMA_VERSION = 1
+#: Version 2: store-side time, ``seen_at`` / ``passed_over_at`` per run, idle keys expire.
+SCHEMA_VERSION = 2
+
+#: A zero-argument callable giving epoch seconds: the test-only ``clock=`` option of every store.
+Clock = Callable[[], float]
 
 
 _LOOSE_USERINFO = re.compile(r":[^:@/\s]*@")  # ":password@" in a string that is no URL (a typo)
@@ -48,6 +55,22 @@ def redact_url(url: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
+def check_retention(retention: object) -> float:
+    """``retention`` as seconds, or SingletonConfigError naming the value."""
+    if isinstance(retention, str):
+        try:
+            retention = float(retention)
+        except ValueError:
+            pass
+    if (
+        not isinstance(retention, (int, float))
+        or isinstance(retention, bool)
+        or not 0 < retention < float("inf")
+    ):
+        raise SingletonConfigError(f"store retention must be a positive number of seconds, got {retention!r}")
+    return float(retention)
+
+
 def check_namespace(namespace: str) -> str:
     if not isinstance(namespace, str) or not namespace or any(c in namespace for c in "{}:\n"):
         raise SingletonConfigError(
@@ -59,43 +82,76 @@ def check_namespace(namespace: str) -> str:
 class Store(abc.ABC):
     """Where runs, slots and tokens live. Every method is one atomic store operation.
 
-    ``now`` is always passed in by the caller (the library's clock): stores never read a clock.
+    Every deadline is decided on the store's own clock (SPEC §8): a server clock for the
+    network stores, the host's ``time.time()`` for the one-host stores. Options every store takes:
+
+    - ``namespace``: isolates applications sharing one server.
+    - ``retention``: seconds after which an idle key, a settled run's marker and a waiter passed
+      over that long are forgotten (default :data:`~singleton_tasks.gate.DEFAULT_RETENTION`).
+    - ``clock`` (tests only): a zero-argument callable; when given the store decides at the time
+      it returns instead of reading its own clock (:class:`singleton_tasks.testing.ManualClock`).
     """
 
+    #: The URL schemes this class serves (``store_from_url`` looks them up here).
     schemes: ClassVar[tuple[str, ...]] = ()
+    #: Whose clock decides: ``"server"`` (a clock shared by every host) or ``"host"`` (the clock
+    #: of the one host the store serves).
+    clock_source: ClassVar[str] = "host"
 
-    def __init__(self, url: str, *, namespace: str = "default", timings: Timings | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        namespace: str = "default",
+        retention: float | None = None,
+        timings: Timings | None = None,
+        clock: Clock | None = None,
+    ) -> None:
         self.url = redact_url(url)
         self.namespace = check_namespace(namespace)
-        self.timings = timings or Timings()
+        timings = timings or Timings()
+        if retention is not None:
+            timings = dataclasses.replace(timings, retention=check_retention(retention))
+        else:
+            check_retention(timings.retention)
+        self.timings = timings
+        if clock is not None and not callable(clock):
+            raise SingletonConfigError(f"store clock must be a callable returning seconds, got {clock!r}")
+        self.clock = clock
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.url} namespace={self.namespace!r}>"
 
+    @property
+    def retention(self) -> float:
+        return self.timings.retention
+
     @abc.abstractmethod
-    def register(self, spec: RunSpec, *, now: float, confirmed: bool = True) -> RegisterOutcome:
+    def time(self) -> float:
+        """The store's clock now (epoch seconds)."""
+
+    @abc.abstractmethod
+    def register(self, spec: RunSpec, *, confirmed: bool = True) -> RegisterOutcome:
         """Register a pending waiter with the backlog cap, or report it exists / the key is full."""
 
     @abc.abstractmethod
-    def confirm(self, scope: str, key: str, run_id: str, *, now: float) -> bool:
+    def confirm(self, scope: str, key: str, run_id: str) -> bool:
         """Confirm a registration once its message was published."""
 
     @abc.abstractmethod
-    def unregister(self, scope: str, key: str, run_id: str, *, now: float) -> bool:
+    def unregister(self, scope: str, key: str, run_id: str) -> bool:
         """Undo a registration whose message could not be published."""
 
     @abc.abstractmethod
-    def park(self, scope: str, key: str, run_id: str, payload: bytes, *, now: float) -> tuple[Wake, ...]:
+    def park(self, scope: str, key: str, run_id: str, payload: bytes) -> tuple[Wake, ...]:
         """A registration published held back waits gated with ``payload``; returns the wakes."""
 
     @abc.abstractmethod
-    def claim(
-        self, spec: RunSpec, generation: int, payload: bytes | None = None, *, now: float
-    ) -> ClaimOutcome:
+    def claim(self, spec: RunSpec, generation: int, payload: bytes | None = None) -> ClaimOutcome:
         """Decide a delivery of generation ``generation``; ``payload`` is kept to wake it later."""
 
     @abc.abstractmethod
-    def suspend(self, scope: str, key: str, run_id: str, token: int, *, now: float, delay: float) -> bool:
+    def suspend(self, scope: str, key: str, run_id: str, token: int, *, delay: float) -> bool:
         """A holder waits ``delay`` s for its retry and keeps its slot."""
 
     @abc.abstractmethod
@@ -107,23 +163,22 @@ class Store(abc.ABC):
         *,
         token: int | None,
         generation: int | None = None,
-        now: float,
     ) -> ReleaseOutcome:
         """Settle a run and name the waiters to wake."""
 
     @abc.abstractmethod
-    def heartbeat(self, holders: Sequence[HolderRef], *, now: float) -> list[str]:
-        """Extend the leases of running holders in one call; returns run ids that lost their slot."""
+    def heartbeat(self, holders: Sequence[HolderRef]) -> HeartbeatOutcome:
+        """Extend the leases of running holders in one call; names those that lost their slot."""
 
     @abc.abstractmethod
-    def snapshot(self, *, now: float, scope: str | None = None, key: str | None = None) -> list[KeySnapshot]:
+    def snapshot(self, *, scope: str | None = None, key: str | None = None) -> list[KeySnapshot]:
         """Every key with holders or waiters (optionally one scope / key), for inspection."""
 
-    def operator_release(self, run_id: str, *, now: float) -> ReleaseOutcome | None:
+    def operator_release(self, run_id: str) -> ReleaseOutcome | None:
         """Free a run's slot or place by run id alone (operator override); None if unknown."""
-        for snap in self.snapshot(now=now):
+        for snap in self.snapshot():
             if any(h.run_id == run_id for h in snap.holders) or any(w.run_id == run_id for w in snap.waiters):
-                return self.release(snap.scope, snap.key, run_id, token=None, now=now)
+                return self.release(snap.scope, snap.key, run_id, token=None)
         return None
 
     @abc.abstractmethod
@@ -144,6 +199,14 @@ class Store(abc.ABC):
                 f"run `singleton-tasks migrate --store URL` (drain singleton runs first)"
             )
 
+    def sweep(self) -> int:
+        """Forget the namespace's expired state (settled markers, idle keys); returns how much.
+
+        Workers call it now and then; stores whose server expires data by itself (Redis key
+        TTLs) have nothing to do.
+        """
+        return 0
+
     def close(self) -> None:
         """Release connections."""
 
@@ -155,31 +218,32 @@ class RuleStore(Store):
     def transaction(self, scope: str, key: str) -> contextlib.AbstractContextManager[KeyTransaction]:
         """Lock ``scope``+``key`` and give its records; commit on exit, roll back on error."""
 
-    def register(self, spec: RunSpec, *, now: float, confirmed: bool = True) -> RegisterOutcome:
+    def time(self) -> float:
+        return self.clock() if self.clock is not None else time.time()
+
+    def register(self, spec: RunSpec, *, confirmed: bool = True) -> RegisterOutcome:
         with self.transaction(spec.scope, spec.key) as tx:
-            return gate.register(tx, spec, now=now, confirmed=confirmed, timings=self.timings)
+            return gate.register(tx, spec, confirmed=confirmed, timings=self.timings)
 
-    def confirm(self, scope: str, key: str, run_id: str, *, now: float) -> bool:
+    def confirm(self, scope: str, key: str, run_id: str) -> bool:
         with self.transaction(scope, key) as tx:
-            return gate.confirm(tx, run_id)
+            return gate.confirm(tx, run_id, timings=self.timings)
 
-    def unregister(self, scope: str, key: str, run_id: str, *, now: float) -> bool:
+    def unregister(self, scope: str, key: str, run_id: str) -> bool:
         with self.transaction(scope, key) as tx:
-            return gate.unregister(tx, run_id)
+            return gate.unregister(tx, run_id, timings=self.timings)
 
-    def park(self, scope: str, key: str, run_id: str, payload: bytes, *, now: float) -> tuple[Wake, ...]:
+    def park(self, scope: str, key: str, run_id: str, payload: bytes) -> tuple[Wake, ...]:
         with self.transaction(scope, key) as tx:
-            return tuple(gate.park(tx, scope, key, run_id, payload, now=now))
+            return tuple(gate.park(tx, scope, key, run_id, payload, timings=self.timings))
 
-    def claim(
-        self, spec: RunSpec, generation: int, payload: bytes | None = None, *, now: float
-    ) -> ClaimOutcome:
+    def claim(self, spec: RunSpec, generation: int, payload: bytes | None = None) -> ClaimOutcome:
         with self.transaction(spec.scope, spec.key) as tx:
-            return gate.claim(tx, spec, generation, payload, now=now, timings=self.timings)
+            return gate.claim(tx, spec, generation, payload, timings=self.timings)
 
-    def suspend(self, scope: str, key: str, run_id: str, token: int, *, now: float, delay: float) -> bool:
+    def suspend(self, scope: str, key: str, run_id: str, token: int, *, delay: float) -> bool:
         with self.transaction(scope, key) as tx:
-            return gate.suspend(tx, run_id, token, now=now, delay=delay)
+            return gate.suspend(tx, run_id, token, delay=delay)
 
     def release(
         self,
@@ -189,23 +253,20 @@ class RuleStore(Store):
         *,
         token: int | None,
         generation: int | None = None,
-        now: float,
     ) -> ReleaseOutcome:
         with self.transaction(scope, key) as tx:
             return gate.release(
-                tx, scope, key, run_id, token=token, generation=generation, now=now, timings=self.timings
+                tx, scope, key, run_id, token=token, generation=generation, timings=self.timings
             )
 
-    def heartbeat(self, holders: Sequence[HolderRef], *, now: float) -> list[str]:
-        lost = []
-        for ref, alive in zip(holders, self._heartbeat_batch(holders, now), strict=True):
-            if not alive:
-                lost.append(ref.run_id)
-        return lost
+    def heartbeat(self, holders: Sequence[HolderRef]) -> HeartbeatOutcome:
+        alive, store_time = self._heartbeat_batch(holders)
+        lost = tuple(ref.run_id for ref, ok in zip(holders, alive, strict=True) if not ok)
+        return HeartbeatOutcome(lost, store_time)
 
     @abc.abstractmethod
-    def _heartbeat_batch(self, holders: Sequence[HolderRef], now: float) -> list[bool]:
-        """Extend each holder's lease in one store call; whether each still holds its slot."""
+    def _heartbeat_batch(self, holders: Sequence[HolderRef]) -> tuple[list[bool], float]:
+        """Extend each holder's lease in one store call: whether each still holds, and the store time."""
 
 
 def snapshot_of(scope: str, key: str, meta: KeyMeta, runs: Sequence[RunRecord]) -> KeySnapshot:
@@ -222,6 +283,7 @@ def snapshot_of(scope: str, key: str, meta: KeyMeta, runs: Sequence[RunRecord]) 
             for h in holders
         ),
         waiters=tuple(
-            WaiterView(w.run_id, i + 1, w.created_at, w.state, w.confirmed) for i, w in enumerate(waiters)
+            WaiterView(w.run_id, i + 1, w.created_at, w.state, w.confirmed, w.seen_at, w.passed_over_at)
+            for i, w in enumerate(waiters)
         ),
     )

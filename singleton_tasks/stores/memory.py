@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import heapq
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -16,7 +17,7 @@ from urllib.parse import urlsplit
 from .. import gate
 from ..gate import KeyMeta, KeyTransaction, RunRecord, Timings
 from ..outcomes import HolderRef, KeySnapshot, RunState
-from .base import SCHEMA_VERSION, RuleStore, snapshot_of
+from .base import SCHEMA_VERSION, Clock, RuleStore, snapshot_of
 
 
 @dataclass
@@ -24,23 +25,60 @@ class _KeyData:
     meta: KeyMeta | None = None
     runs: dict[str, RunRecord] = field(default_factory=dict)
     order: list[tuple[int, str]] = field(default_factory=list)  # waiters by seq
+    overdue: list[tuple[float, str]] = field(default_factory=list)  # waiters by passed_over_at
     settled: dict[str, tuple[int, float]] = field(default_factory=dict)
+    removed: bool = False  # forgotten: a caller that waited for its lock looks the key up again
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+Ident = tuple[str, str, str]
 
 
 class _Server:
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.keys: dict[tuple[str, str, str], _KeyData] = {}
+        self.keys: dict[Ident, _KeyData] = {}
+        self.active: set[Ident] = set()  # keys with runs (a snapshot reads only these)
+        self.idle: list[tuple[float, Ident]] = []  # heap of (idle_until, key) to forget
         self.schema: int | None = SCHEMA_VERSION
 
-    def key(self, namespace: str, scope: str, key: str) -> _KeyData:
-        ident = (namespace, scope, key)
-        data = self.keys.get(ident)  # entries are never removed: a hit needs no lock
+    def key(self, ident: Ident) -> _KeyData:
+        data = self.keys.get(ident)  # a dict read needs no lock
         if data is None:
             with self.lock:
                 data = self.keys.setdefault(ident, _KeyData())
         return data
+
+    def lock_key(self, ident: Ident) -> _KeyData:
+        """The key's data, locked (looked up again if it was forgotten while we waited)."""
+        while True:
+            data = self.key(ident)
+            data.lock.acquire()
+            if not data.removed:
+                return data
+            data.lock.release()
+
+    def forget_idle(self, now: float) -> None:
+        """Drop keys idle past their ``idle_until`` (any namespace): nothing of them is left."""
+        while self.idle and self.idle[0][0] < now:
+            with self.lock:
+                if not self.idle or self.idle[0][0] >= now:
+                    return
+                _until, ident = heapq.heappop(self.idle)
+                data = self.keys.get(ident)
+                if data is None or not data.lock.acquire(blocking=False):
+                    continue  # gone already, or in use (it will be idle again later)
+                try:
+                    idle_until = None if data.meta is None else data.meta.idle_until
+                    if idle_until is None or data.runs:
+                        continue  # in use again
+                    if idle_until >= now:
+                        heapq.heappush(self.idle, (idle_until, ident))  # used while idle
+                        continue
+                    data.removed = True
+                    del self.keys[ident]
+                finally:
+                    data.lock.release()
 
 
 _SERVERS: dict[str, _Server] = {}
@@ -55,35 +93,61 @@ def _server(name: str) -> _Server:
 class _MemoryTransaction(KeyTransaction):
     """Reads hand out copies; every write is journaled so an error rolls the key back."""
 
-    def __init__(self, data: _KeyData) -> None:
+    def __init__(self, server: _Server, ident: Ident, data: _KeyData, now: float) -> None:
+        self._server = server
+        self._ident = ident
         self._data = data
+        self._now = now
         self._undo: list[Callable[[], None]] = []
 
     def rollback(self) -> None:
         for undo in reversed(self._undo):
             undo()
 
+    def now(self) -> float:
+        return self._now
+
     def meta(self) -> KeyMeta | None:
         return replace(self._data.meta) if self._data.meta else None
 
     def save_meta(self, meta: KeyMeta) -> None:
         previous = self._data.meta
-        self._undo.append(lambda: setattr(self._data, "meta", previous))
-        self._data.meta = replace(meta)
+        self._undo.append(lambda: self._put_meta(previous))
+        self._put_meta(replace(meta))
+
+    def _put_meta(self, meta: KeyMeta | None) -> None:
+        data, server = self._data, self._server
+        old = data.meta
+        data.meta = meta
+        idle_until = None if meta is None else meta.idle_until
+        if old is not None and meta is not None and (old.idle_until is None) == (idle_until is None):
+            return  # still idle or still active: the server's indexes stay (a later idle_until
+            # is found by forget_idle, which puts the key back in the heap)
+        with server.lock:
+            if meta is not None and idle_until is None:
+                server.active.add(self._ident)
+            else:
+                server.active.discard(self._ident)
+                if idle_until is not None:
+                    heapq.heappush(server.idle, (idle_until, self._ident))
 
     def get_run(self, run_id: str) -> RunRecord | None:
         run = self._data.runs.get(run_id)
         return run.copy() if run else None
 
     def _put(self, run_id: str, run: RunRecord | None) -> None:
-        runs, order = self._data.runs, self._data.order
+        runs, order, overdue = self._data.runs, self._data.order, self._data.overdue
         old = runs.pop(run_id, None)
         if old is not None and old.state is not RunState.HOLDING:
             del order[bisect.bisect_left(order, (old.seq, run_id))]
+            if old.passed_over_at is not None:
+                del overdue[bisect.bisect_left(overdue, (old.passed_over_at, run_id))]
         if run is not None:
             runs[run_id] = run
             if run.state is not RunState.HOLDING:
                 bisect.insort(order, (run.seq, run_id))
+                if run.passed_over_at is not None:
+                    bisect.insort(overdue, (run.passed_over_at, run_id))
 
     def save_run(self, run: RunRecord) -> None:
         previous = self._data.runs.get(run.run_id)
@@ -109,12 +173,12 @@ class _MemoryTransaction(KeyTransaction):
     def waiters_before(self, seq: int) -> int:
         return bisect.bisect_left(self._data.order, (seq, ""))
 
-    def unconfirmed_before(self, created_before: float) -> list[str]:
-        return [
-            r.run_id
-            for r in self._data.runs.values()
-            if r.state is RunState.PENDING and not r.confirmed and r.created_at < created_before
-        ]
+    def count_passed_over(self, now: float) -> int:
+        return bisect.bisect_left(self._data.overdue, (now, ""))
+
+    def passed_over_before(self, before: float) -> list[str]:
+        overdue = self._data.overdue
+        return [run_id for _at, run_id in overdue[: bisect.bisect_left(overdue, (before, ""))]]
 
     def settled_generation(self, run_id: str, now: float) -> int | None:
         marker = self._data.settled.get(run_id)
@@ -122,7 +186,7 @@ class _MemoryTransaction(KeyTransaction):
 
     def mark_settled(self, run_id: str, generation: int, expires_at: float, now: float) -> None:
         settled = self._data.settled
-        # Markers are inserted in expiry order (one TTL per store): drop expired ones from the front.
+        # Markers are inserted in expiry order (one retention per store): drop expired ones from the front.
         for other, (_gen, expires) in list(settled.items()):
             if expires > now:
                 break
@@ -149,40 +213,59 @@ class MemoryStore(RuleStore):
     schemes = ("memory",)
 
     def __init__(
-        self, url: str = "memory://", *, namespace: str = "default", timings: Timings | None = None
+        self,
+        url: str = "memory://",
+        *,
+        namespace: str = "default",
+        retention: float | None = None,
+        timings: Timings | None = None,
+        clock: Clock | None = None,
     ) -> None:
-        super().__init__(url, namespace=namespace, timings=timings)
+        super().__init__(url, namespace=namespace, retention=retention, timings=timings, clock=clock)
         self._server = _server(urlsplit(url).netloc + urlsplit(url).path)
 
     @contextlib.contextmanager
     def transaction(self, scope: str, key: str) -> Iterator[KeyTransaction]:
-        data = self._server.key(self.namespace, scope, key)
-        with data.lock:
-            tx = _MemoryTransaction(data)
+        server, ident = self._server, (self.namespace, scope, key)
+        data = server.lock_key(ident)
+        now = self.time()
+        try:
+            tx = _MemoryTransaction(server, ident, data, now)
             try:
                 yield tx
             except BaseException:
                 tx.rollback()
                 raise
+        finally:
+            data.lock.release()
+        server.forget_idle(now)
 
-    def _heartbeat_batch(self, holders: Sequence[HolderRef], now: float) -> list[bool]:
+    def _heartbeat_batch(self, holders: Sequence[HolderRef]) -> tuple[list[bool], float]:
         alive = []
         for ref in holders:
             with self.transaction(ref.scope, ref.key) as tx:
-                alive.append(gate.heartbeat(tx, ref.run_id, ref.token, now=now))
-        return alive
+                alive.append(gate.heartbeat(tx, ref.run_id, ref.token))
+        return alive, self.time()
 
-    def snapshot(self, *, now: float, scope: str | None = None, key: str | None = None) -> list[KeySnapshot]:
-        with self._server.lock:
-            items = [(k, d) for k, d in self._server.keys.items() if k[0] == self.namespace]
+    def snapshot(self, *, scope: str | None = None, key: str | None = None) -> list[KeySnapshot]:
+        server = self._server
+        with server.lock:
+            idents = sorted(
+                i
+                for i in server.active
+                if i[0] == self.namespace
+                and (scope is None or i[1] == scope)
+                and (key is None or i[2] == key)
+            )
         snaps = []
-        for (_ns, s, k), data in sorted(items, key=lambda item: item[0]):
-            if (scope is not None and s != scope) or (key is not None and k != key):
+        for ident in idents:
+            data = server.keys.get(ident)
+            if data is None:
                 continue
             with data.lock:
                 if not data.runs or data.meta is None:
                     continue
-                snaps.append(snapshot_of(s, k, data.meta, list(data.runs.values())))
+                snaps.append(snapshot_of(ident[1], ident[2], data.meta, list(data.runs.values())))
         return snaps
 
     def schema_version(self) -> int | None:

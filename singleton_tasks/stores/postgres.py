@@ -20,6 +20,7 @@ from psycopg_pool import ConnectionPool
 from ..errors import SingletonConfigError, StoreUnavailableError
 from ..gate import Timings
 from ._sql import POSTGRES, SQLCursor, SQLStore
+from .base import Clock
 
 # Pools inherited through a fork: their connections belong to the parent (closing them here
 # would end the parent's sessions), so the child only keeps them from being garbage-collected.
@@ -35,6 +36,7 @@ class PostgresStore(SQLStore):
     """
 
     schemes = ("postgresql", "postgres")
+    clock_source = "server"
     dialect = POSTGRES
 
     def __init__(
@@ -42,12 +44,14 @@ class PostgresStore(SQLStore):
         url: str,
         *,
         namespace: str = "default",
+        retention: float | None = None,
         timings: Timings | None = None,
+        clock: Clock | None = None,
         min_size: int = 1,
         max_size: int = 10,
         timeout: float = 5.0,
     ) -> None:
-        super().__init__(url, namespace=namespace, timings=timings)
+        super().__init__(url, namespace=namespace, retention=retention, timings=timings, clock=clock)
         if not (
             isinstance(min_size, int)
             and isinstance(max_size, int)
@@ -68,6 +72,16 @@ class PostgresStore(SQLStore):
         self._lock = threading.Lock()
         self._pool: ConnectionPool[Any] | None = None
         self._pool_pid = 0
+
+    def _now_arg(self) -> float | None:
+        return None if self.clock is None else self.clock()
+
+    def time(self) -> float:
+        """The server's clock (``clock_timestamp()``), or the test clock."""
+        with self._begin(write=False) as cursor:
+            row = cursor.one("server_time", {"now": self._now_arg()})
+        assert row is not None
+        return float(row[0])
 
     def _configure(self, connection: psycopg.Connection[Any]) -> None:
         # A key row locked by a stuck session fails the operation (deferred, retried) after

@@ -13,6 +13,7 @@ to load them, get the same scripts by ``EVALSHA``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import os
@@ -32,16 +33,19 @@ from ..gate import KeyMeta, RunRecord, Timings
 from ..outcomes import (
     ClaimOutcome,
     Decision,
+    HeartbeatOutcome,
     HolderRef,
+    HolderView,
     KeySnapshot,
     Registered,
     RegisterOutcome,
     ReleaseOutcome,
     RunSpec,
     RunState,
+    WaiterView,
     Wake,
 )
-from .base import SCHEMA_VERSION, Store, snapshot_of
+from .base import SCHEMA_VERSION, Clock, Store, snapshot_of
 
 _OPERATIONS = (
     "register",
@@ -119,14 +123,16 @@ def _hash_tag(scope: str, key: str) -> bytes:
 
 @functools.lru_cache(maxsize=16)
 def _timing_args(timings: Timings) -> tuple[bytes, bytes]:
-    """The encoded registration grace and settled-marker TTL."""
-    return _time(timings.registration_grace), _time(timings.settled_ttl)
+    """The encoded registration grace and retention."""
+    return _time(timings.registration_grace), _time(timings.retention)
 
 
 @functools.lru_cache(maxsize=256)
-def _spec_args(limit: int, lease: float, orphan_timeout: float | None) -> tuple[bytes, bytes, bytes]:
+def _spec_args(
+    limit: int, lease: float, orphan_timeout: float | None, recheck: float
+) -> tuple[bytes, bytes, bytes, bytes]:
     """The encoded per-task options of a RunSpec (few distinct values per process)."""
-    return _int(limit), _time(lease), _opt_time(orphan_timeout)
+    return _int(limit), _time(lease), _opt_time(orphan_timeout), _time(recheck)
 
 
 def _text(value: str) -> bytes:
@@ -222,6 +228,10 @@ def _pairs(flat: Sequence[bytes]) -> dict[bytes, bytes]:
     return dict(zip(flat[::2], flat[1::2], strict=True))
 
 
+def _opt_float(value: bytes | None) -> float | None:
+    return float(value) if value else None
+
+
 def _run_record(run_id: bytes, fields: dict[bytes, bytes]) -> RunRecord:
     orphan = fields.get(b"orphan_timeout", b"")
     live = fields.get(b"live", b"")
@@ -242,28 +252,46 @@ def _run_record(run_id: bytes, fields: dict[bytes, bytes]) -> RunRecord:
         executing=fields[b"executing"] == b"1",
         lease=float(fields[b"lease"]),
         orphan_timeout=float(orphan) if orphan else None,
+        recheck=float(fields[b"recheck"]),
+        seen_at=float(fields[b"seen_at"]),
+        passed_over_at=_opt_float(fields.get(b"passed_over_at")),
     )
+
+
+def _phantom_views(entries: Sequence[Sequence[Any]]) -> tuple[list[HolderView], list[WaiterView]]:
+    """Index entries without run data (a damaged store): shown so an operator can release them."""
+    holders, waiters = [], []
+    for run_id, _flat, kind, score in entries:
+        if kind == b"holder":
+            holders.append(HolderView(_str(run_id), int(float(score)), 0.0, 0.0, 0.0, False, phantom=True))
+        else:
+            waiters.append(WaiterView(_str(run_id), 0, 0.0, RunState.PENDING, False, phantom=True))
+    return holders, waiters
 
 
 class RedisStore(Store):
     """The gate's rules in Lua on one Redis server (data laid out to be Redis Cluster ready).
 
+    Every deadline is decided on the server's clock (``TIME`` inside the scripts).
     ``redis_options`` go to :meth:`redis.Redis.from_url` (timeouts, TLS settings, ...);
     replies must stay bytes, so ``decode_responses`` is refused.
     """
 
     schemes = ("redis", "rediss")
+    clock_source = "server"
 
     def __init__(
         self,
         url: str,
         *,
         namespace: str = "default",
+        retention: float | None = None,
         timings: Timings | None = None,
+        clock: Clock | None = None,
         functions: bool = True,
         **redis_options: Any,
     ) -> None:
-        super().__init__(url, namespace=namespace, timings=timings)
+        super().__init__(url, namespace=namespace, retention=retention, timings=timings, clock=clock)
         if not isinstance(functions, bool):
             raise SingletonConfigError(f"{self!r}: functions must be True or False, got {functions!r}")
         # Cleared at the first call that finds the server or the user without functions.
@@ -298,17 +326,6 @@ class RedisStore(Store):
         """``<namespace>:{<sha1>}:``: the hash tag is a digest, never the user's text."""
         return self._ns_colon + _hash_tag(scope, key) + b":"
 
-    def _keys(self, scope: str, key: str, run_id: str) -> list[bytes]:
-        prefix, run = self._prefix(scope, key), _text(run_id)
-        return [
-            prefix + b"meta",
-            prefix + b"waiters",
-            prefix + b"holders",
-            prefix + b"ghosts",
-            prefix + b"run:" + run,
-            prefix + b"settled:" + run,
-        ]
-
     @property
     def _schema_key(self) -> bytes:
         return self._ns + b":schema"
@@ -316,7 +333,25 @@ class RedisStore(Store):
     # -- plumbing -----------------------------------------------------------------------------
 
     def _fail(self, error: redis.exceptions.RedisError) -> NoReturn:
+        if isinstance(error, redis.exceptions.ResponseError) and "'TIME'" in str(error):
+            raise SingletonConfigError(
+                f"{self!r}: the server refuses TIME inside scripts, and the store decides every "
+                f"deadline on the server's clock (nothing was written): {error}"
+            ) from error
         raise StoreUnavailableError(f"{self!r}: {type(error).__name__}: {error}") from error
+
+    def _clock_arg(self) -> bytes:
+        """The time the scripts decide at: '' for the server's own clock (tests pass a clock)."""
+        return b"" if self.clock is None else _time(self.clock())
+
+    def time(self) -> float:
+        if self.clock is not None:
+            return self.clock()
+        try:
+            seconds, micros = self._thread_client().time()
+        except redis.exceptions.RedisError as error:
+            self._fail(error)
+        return seconds + micros / 1_000_000
 
     def _run(self, name: str, keys: Sequence[bytes], args: Sequence[bytes | str]) -> Any:
         return self._eval(name, len(keys), *keys, *args)
@@ -377,7 +412,7 @@ class RedisStore(Store):
         return client
 
     def _key_op(self, name: str, scope: str, key: str, run_id: str, *args: bytes) -> Any:
-        """A per-key script: lib.lua's KEYS layout, then ARGV scope, key, run id and ``args``."""
+        """A per-key script: lib.lua's KEYS and ARGV layout, then ``args``."""
         prefix, run = self._ns_colon + _hash_tag(scope, key) + b":", _text(run_id)
         return self._eval(
             name,
@@ -385,58 +420,60 @@ class RedisStore(Store):
             prefix + b"meta",
             prefix + b"waiters",
             prefix + b"holders",
-            prefix + b"ghosts",
+            prefix + b"overdue",
             prefix + b"run:" + run,
             prefix + b"settled:" + run,
             _text(scope),
             _text(key),
             run,
+            self._clock_arg(),
+            *_timing_args(self.timings),
             *args,
         )
 
     # -- the protocol -------------------------------------------------------------------------
 
-    def register(self, spec: RunSpec, *, now: float, confirmed: bool = True) -> RegisterOutcome:
-        limit, lease, orphan_timeout = _spec_args(spec.limit, spec.lease, spec.orphan_timeout)
+    def register(self, spec: RunSpec, *, confirmed: bool = True) -> RegisterOutcome:
+        limit, lease, orphan_timeout, recheck = _spec_args(
+            spec.limit, spec.lease, spec.orphan_timeout, spec.recheck
+        )
         status, in_flight = self._key_op(
             "register",
             spec.scope,
             spec.key,
             spec.run_id,
-            _time(now),
             b"1" if confirmed else b"0",
             limit,
             _opt_int(spec.max_queue_depth),
             lease,
             orphan_timeout,
-            _timing_args(self.timings)[0],
+            recheck,
         )
         return RegisterOutcome(_REGISTERED[status], int(in_flight))
 
-    def confirm(self, scope: str, key: str, run_id: str, *, now: float) -> bool:
+    def confirm(self, scope: str, key: str, run_id: str) -> bool:
         return bool(self._key_op("confirm", scope, key, run_id))
 
-    def unregister(self, scope: str, key: str, run_id: str, *, now: float) -> bool:
+    def unregister(self, scope: str, key: str, run_id: str) -> bool:
         return bool(self._key_op("unregister", scope, key, run_id))
 
-    def park(self, scope: str, key: str, run_id: str, payload: bytes, *, now: float) -> tuple[Wake, ...]:
-        return _wakes(scope, key, self._key_op("park", scope, key, run_id, _time(now), bytes(payload)))
+    def park(self, scope: str, key: str, run_id: str, payload: bytes) -> tuple[Wake, ...]:
+        return _wakes(scope, key, self._key_op("park", scope, key, run_id, bytes(payload)))
 
-    def claim(
-        self, spec: RunSpec, generation: int, payload: bytes | None = None, *, now: float
-    ) -> ClaimOutcome:
-        limit, lease, orphan_timeout = _spec_args(spec.limit, spec.lease, spec.orphan_timeout)
-        decision, token, new_generation, position, takeover, evicted, wakes = self._key_op(
+    def claim(self, spec: RunSpec, generation: int, payload: bytes | None = None) -> ClaimOutcome:
+        limit, lease, orphan_timeout, recheck = _spec_args(
+            spec.limit, spec.lease, spec.orphan_timeout, spec.recheck
+        )
+        decision, token, new_generation, position, takeover, evicted, wakes, removed = self._key_op(
             "claim",
             spec.scope,
             spec.key,
             spec.run_id,
-            _time(now),
             _int(generation),
             limit,
             lease,
             orphan_timeout,
-            _timing_args(self.timings)[0],
+            recheck,
             b"0" if payload is None else b"1",
             b"" if payload is None else bytes(payload),
         )
@@ -448,10 +485,11 @@ class RedisStore(Store):
             takeover=bool(takeover),
             evicted=_names(evicted),
             wakes=_wakes(spec.scope, spec.key, wakes),
+            removed=_names(removed),
         )
 
-    def suspend(self, scope: str, key: str, run_id: str, token: int, *, now: float, delay: float) -> bool:
-        return bool(self._key_op("suspend", scope, key, run_id, _time(now), _int(token), _time(delay)))
+    def suspend(self, scope: str, key: str, run_id: str, token: int, *, delay: float) -> bool:
+        return bool(self._key_op("suspend", scope, key, run_id, _int(token), _time(delay)))
 
     def release(
         self,
@@ -461,28 +499,26 @@ class RedisStore(Store):
         *,
         token: int | None,
         generation: int | None = None,
-        now: float,
     ) -> ReleaseOutcome:
-        released, lost, wakes, evicted = self._key_op(
-            "release",
-            scope,
-            key,
-            run_id,
-            _time(now),
-            _opt_int(token),
-            _opt_int(generation),
-            *_timing_args(self.timings),
+        released, lost, wakes, evicted, removed = self._key_op(
+            "release", scope, key, run_id, _opt_int(token), _opt_int(generation)
         )
         return ReleaseOutcome(
-            released=bool(released), lost=bool(lost), wakes=_wakes(scope, key, wakes), evicted=_names(evicted)
+            released=bool(released),
+            lost=bool(lost),
+            wakes=_wakes(scope, key, wakes),
+            evicted=_names(evicted),
+            removed=_names(removed),
         )
 
-    def heartbeat(self, holders: Sequence[HolderRef], *, now: float) -> list[str]:
+    def heartbeat(self, holders: Sequence[HolderRef]) -> HeartbeatOutcome:
         if not holders:
-            return []
+            return HeartbeatOutcome((), self.time())
         keys = [self._prefix(ref.scope, ref.key) + b"run:" + _text(ref.run_id) for ref in holders]
-        alive = self._run("heartbeat", keys, [_time(now), *(_int(ref.token) for ref in holders)])
-        return [ref.run_id for ref, ok in zip(holders, alive, strict=True) if not ok]
+        alive, now = self._run("heartbeat", keys, [self._clock_arg(), *(_int(ref.token) for ref in holders)])
+        return HeartbeatOutcome(
+            tuple(ref.run_id for ref, ok in zip(holders, alive, strict=True) if not ok), float(now)
+        )
 
     # -- inspection ---------------------------------------------------------------------------
 
@@ -499,17 +535,30 @@ class RedisStore(Store):
         reply = self._run("snapshot", [meta_key, prefix + b"waiters", prefix + b"holders"], [])
         if not reply:
             return None
-        meta_flat, runs = reply
+        meta_flat, entries = reply
         meta = _pairs(meta_flat)
-        records = [_run_record(run_id, _pairs(flat)) for run_id, flat in runs]
+        if b"scope" not in meta:
+            return None  # runs without their key's record: shown once a call on the key repairs it
+        records = [_run_record(run_id, _pairs(flat)) for run_id, flat, _kind, _score in entries if flat]
         key_meta = KeyMeta(token=int(meta[b"token"]), seq=int(meta[b"seq"]), limit=int(meta[b"limit"]))
-        return snapshot_of(_str(meta[b"scope"]), _str(meta[b"key"]), key_meta, records)
+        snap = snapshot_of(_str(meta[b"scope"]), _str(meta[b"key"]), key_meta, records)
+        phantom_holders, phantom_waiters = _phantom_views([e for e in entries if not e[1]])
+        if phantom_holders or phantom_waiters:
+            snap = dataclasses.replace(
+                snap,
+                holders=snap.holders + tuple(phantom_holders),
+                waiters=snap.waiters + tuple(phantom_waiters),
+            )
+        return snap
 
-    def snapshot(self, *, now: float, scope: str | None = None, key: str | None = None) -> list[KeySnapshot]:
+    def snapshot(self, *, scope: str | None = None, key: str | None = None) -> list[KeySnapshot]:
         if scope is not None and key is not None:
             meta_keys: list[bytes] = [self._prefix(scope, key) + b"meta"]
         else:
-            meta_keys = list(self._scan(b"meta"))
+            # Keys with runs have a holders or a waiters index (idle keys have neither).
+            prefixes = {k[: -len(b"holders")] for k in self._scan(b"holders")}
+            prefixes |= {k[: -len(b"waiters")] for k in self._scan(b"waiters")}
+            meta_keys = [p + b"meta" for p in sorted(prefixes)]
         snaps = []
         for meta_key in meta_keys:
             snap = self._snapshot_of(meta_key)
@@ -522,7 +571,7 @@ class RedisStore(Store):
             snaps.append(snap)
         return sorted(snaps, key=lambda s: (s.scope, s.key))
 
-    def operator_release(self, run_id: str, *, now: float) -> ReleaseOutcome | None:
+    def operator_release(self, run_id: str) -> ReleaseOutcome | None:
         """Find the run's hashes by name (a SCAN, not a snapshot of every key), then release it.
 
         A run id registered under several keys is released from the first in (scope, key)
@@ -539,9 +588,9 @@ class RedisStore(Store):
             if isinstance(scope, bytes) and isinstance(key, bytes):
                 owners.append((_str(scope), _str(key)))
         if not owners:
-            return None
+            return super().operator_release(run_id)  # a phantom has no hash: find it by snapshot
         scope_s, key_s = min(owners)
-        return self.release(scope_s, key_s, run_id, token=None, now=now)
+        return self.release(scope_s, key_s, run_id, token=None)
 
     # -- schema and lifecycle -----------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from urllib.parse import unquote, urlsplit
 from ..errors import SingletonConfigError, StoreUnavailableError
 from ..gate import Timings
 from ._sql import SQLITE, SQLCursor, SQLStore
+from .base import Clock
 
 # Connections inherited through a fork: never used or closed by the child (closing one there
 # can disturb the parent's locks), only kept from being garbage-collected.
@@ -49,10 +50,12 @@ class SQLiteStore(SQLStore):
         url: str,
         *,
         namespace: str = "default",
+        retention: float | None = None,
         timings: Timings | None = None,
+        clock: Clock | None = None,
         busy_timeout: float = 30.0,
     ) -> None:
-        super().__init__(url, namespace=namespace, timings=timings)
+        super().__init__(url, namespace=namespace, retention=retention, timings=timings, clock=clock)
         if not isinstance(busy_timeout, (int, float)) or busy_timeout < 0:
             raise SingletonConfigError(f"busy_timeout must be a number of seconds >= 0, got {busy_timeout!r}")
         self.path = sqlite_path(url)
@@ -62,6 +65,9 @@ class SQLiteStore(SQLStore):
         self._local = threading.local()
         self._connections: list[tuple[weakref.ref[threading.Thread], int, sqlite3.Connection]] = []
         self._shared: sqlite3.Connection | None = None
+
+    def _now_arg(self) -> float:
+        return self.time()  # the host's clock: SQLite serves one host
 
     def _connect(self) -> sqlite3.Connection:
         try:

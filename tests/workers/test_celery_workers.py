@@ -130,7 +130,7 @@ class Workers:
         """The store's view of one key: empty once nothing holds or waits."""
         store = store_from_url(self.config.store, namespace=self.config.namespace)
         try:
-            return store.snapshot(now=time.time(), scope=scope, key=key)
+            return store.snapshot(scope=scope, key=key)
         finally:
             store.close()
 

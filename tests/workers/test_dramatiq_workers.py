@@ -105,7 +105,7 @@ class App:
         """The store's view of a key (every scope): empty once nothing holds or waits."""
         store = store_from_url(self.config.store, namespace=self.config.namespace)
         try:
-            return store.snapshot(now=time.time(), key=key)
+            return store.snapshot(key=key)
         finally:
             store.close()
 

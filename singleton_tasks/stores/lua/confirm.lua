@@ -1,7 +1,6 @@
--- confirm: mark a registration as published (gate.confirm).
+-- confirm: mark a registration as published (gate.confirm): it is seen now.
 --
--- KEYS: the per-key layout of lib.lua (meta, waiters, holders, ghosts, run, settled)
--- ARGV[1] scope   ARGV[2] key   ARGV[3] run id
+-- KEYS, ARGV[1..6]: the per-key layout of lib.lua
 -- Returns 1 if the run is registered (now confirmed), 0 if it is unknown.
 
 use_key(KEYS, ARGV)
@@ -11,6 +10,7 @@ if run == nil then
 end
 if not run.confirmed then
   run.confirmed = true
+  seen(run, K.now)
   save_run(run)
 end
 return 1

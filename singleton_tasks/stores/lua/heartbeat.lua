@@ -1,11 +1,12 @@
 -- heartbeat: extend the leases of running holders, many keys in one call (gate.heartbeat).
 --
--- KEYS[i] the run hash of holder i (P..'run:'..run_id, see lib.lua)
--- ARGV[1] now     ARGV[1 + i] the token holder i was admitted with
--- Returns a list: 1 where holder i still holds its slot (lease extended), 0 where it lost it.
--- (Holders of several keys span several hash slots: on Redis Cluster, call once per slot.)
+-- KEYS[i] the run hash of holder i (P..'run:'..run_id, see lib.lua); on Redis Cluster all in
+-- one hash slot (the store calls once per slot).
+-- ARGV[1] the time to decide at, '' for the server's clock   ARGV[1 + i] holder i's token
+-- Returns {alive, now}: alive a list, 1 where holder i still holds its slot (lease extended),
+-- 0 where it lost it; now the time the leases were extended from ('%.17g').
 
-local now = tonumber(ARGV[1])
+local now = opt_number(ARGV[1]) or server_time()
 local alive = {}
 for i, key in ipairs(KEYS) do
   local v = redis.call('HMGET', key, 'state', 'token', 'lease')
@@ -16,4 +17,4 @@ for i, key in ipairs(KEYS) do
     alive[i] = 0
   end
 end
-return alive
+return { alive, num(now) }

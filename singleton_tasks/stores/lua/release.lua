@@ -1,48 +1,41 @@
 -- release: settle a run (gate.release): free its slot or its place in line, remember its
--- live generation for a while, and name the gated waiters that now own a free slot.
+-- live generation for `retention`, and name the gated waiters that now own a free slot.
 --
--- KEYS: the per-key layout of lib.lua (meta, waiters, holders, ghosts, run, settled)
--- ARGV[1] scope        ARGV[2] key          ARGV[3] run id
--- ARGV[4] now          ARGV[5] token ('' = None: settle whatever the run is)
--- ARGV[6] generation ('' = None)            ARGV[7] registration_grace
--- ARGV[8] settled_ttl (seconds a settled run's marker lives)
--- Returns {released 1/0, lost 1/0, wakes, evicted}: wakes a list of
--- {run_id, generation, payload or false}; evicted a list of run ids.
+-- KEYS, ARGV[1..6]: the per-key layout of lib.lua
+-- ARGV[7] token ('' = None: settle whatever the run is)   ARGV[8] generation ('' = None)
+-- Returns {released 1/0, lost 1/0, wakes, evicted, removed}: wakes a list of
+-- {run_id, generation, payload or false}; evicted and removed lists of run ids.
 
 use_key(KEYS, ARGV)
 local run_id = ARGV[3]
-local now = tonumber(ARGV[4])
-local token = opt_number(ARGV[5])
-local generation = opt_number(ARGV[6])
-local ttl = tonumber(ARGV[8])
+local now = K.now
+local token = opt_number(ARGV[7])
+local generation = opt_number(ARGV[8])
 
-local meta = load_meta() or default_meta()
-local evicted = housekeep(now, tonumber(ARGV[7]), run_id)
+local meta = load_meta(K.now) or default_meta()
+housekeep(now, run_id)
 local run = load_brief(run_id)
-if run == nil then
-  -- Settled already (idempotent: async interrupts settle twice) or taken from us.
-  local lost = token ~= nil and settled_generation(run_id, now) == nil
-  local woken = {}
-  if #evicted > 0 then
-    woken = wakes(meta, now, nil)
-  end
+if run == nil and token == nil and (zrem(K.holders, run_id) + zrem(K.waiters, run_id)) > 0 then
+  -- A phantom (its data lost by the server) released by an operator: gone from the indexes.
+  redis.call('ZREM', K.overdue, run_id)
+  mark_settled(run_id, generation or -1, now + K.retention)
+  local woken = wakes(meta, now, nil)
   finish(meta)
-  return { 0, lost and 1 or 0, woken, evicted }
+  return { 1, 0, woken, EVICTED, REMOVED }
 end
-if token ~= nil and (run.state ~= 'holding' or run.token ~= token) then
-  local woken = {}
-  if #evicted > 0 then
-    woken = wakes(meta, now, nil)
-  end
+if run == nil or (token ~= nil and (run.state ~= 'holding' or run.token ~= token)) then
+  -- Settled already (idempotent: async interrupts settle twice) or taken from us.
+  local lost = token ~= nil and (run ~= nil or settled_generation(run_id, now) == nil)
+  local woken = wakes(meta, now, nil)
   finish(meta)
-  return { 0, 1, woken, evicted }
+  return { 0, lost and 1 or 0, woken, EVICTED, REMOVED }
 end
 delete_run(run_id, run)
 local settled = generation or -1
 if run.state == 'holding' then
   settled = run.holder_generation
 end
-mark_settled(run_id, settled, now + ttl, ttl)
+mark_settled(run_id, settled, now + K.retention)
 local woken = wakes(meta, now, nil)
 finish(meta)
-return { 1, 0, woken, evicted }
+return { 1, 0, woken, EVICTED, REMOVED }

@@ -1,8 +1,7 @@
 -- unregister: undo a registration whose publish failed (gate.unregister).
 -- Only a PENDING run is removed; holders and delivered runs are left alone.
 --
--- KEYS: the per-key layout of lib.lua (meta, waiters, holders, ghosts, run, settled)
--- ARGV[1] scope   ARGV[2] key   ARGV[3] run id
+-- KEYS, ARGV[1..6]: the per-key layout of lib.lua
 -- Returns 1 if the registration was removed, else 0.
 
 use_key(KEYS, ARGV)
@@ -11,5 +10,5 @@ if run == nil or run.state ~= 'pending' then
   return 0
 end
 delete_run(ARGV[3], run)
-finish(load_meta() or default_meta())
+finish(load_meta(K.now) or default_meta())
 return 1

@@ -8,15 +8,26 @@
 -- Run columns are always selected in RunRecord field order (see _sql.py).
 
 -- name: lock_key
--- SQLite: the whole database is already write-locked by BEGIN IMMEDIATE.
-SELECT token, seq, slot_limit FROM singleton_keys
+-- SQLite: the whole database is already write-locked by BEGIN IMMEDIATE; the store's clock is
+-- the host's, read in Python (:now).
+SELECT token, seq, slot_limit, idle_until, :now FROM singleton_keys
 WHERE namespace = :namespace AND scope = :scope AND key = :key;
 
 -- name: lock_key (postgres)
--- The key's row lock serializes every operation on this key and no other.
-SELECT token, seq, slot_limit FROM singleton_keys
+-- The key's row lock serializes every operation on this key and no other. The last column is
+-- the store's clock: the server's (or the test clock's :now), read once the lock is held.
+SELECT token, seq, slot_limit, idle_until,
+       COALESCE(CAST(:now AS double precision), extract(epoch FROM clock_timestamp())::double precision)
+FROM singleton_keys
 WHERE namespace = :namespace AND scope = :scope AND key = :key
 FOR UPDATE;
+
+-- name: server_time
+-- SQLite: the host's clock, read in Python (:now).
+SELECT :now;
+
+-- name: server_time (postgres)
+SELECT COALESCE(CAST(:now AS double precision), extract(epoch FROM clock_timestamp())::double precision);
 
 -- name: insert_key
 INSERT INTO singleton_keys (namespace, scope, key, token, seq, slot_limit)
@@ -24,27 +35,42 @@ VALUES (:namespace, :scope, :key, 0, 0, 1)
 ON CONFLICT (namespace, scope, key) DO NOTHING;
 
 -- name: update_key
-UPDATE singleton_keys SET token = :token, seq = :seq, slot_limit = :slot_limit
+UPDATE singleton_keys SET token = :token, seq = :seq, slot_limit = :slot_limit, idle_until = :idle_until
 WHERE namespace = :namespace AND scope = :scope AND key = :key;
 
--- name: delete_key
-DELETE FROM singleton_keys
-WHERE namespace = :namespace AND scope = :scope AND key = :key;
+-- name: sweep_keys
+-- A few keys of the namespace idle past their idle_until (a key never has runs then).
+DELETE FROM singleton_keys WHERE rowid IN (
+    SELECT rowid FROM singleton_keys
+    WHERE namespace = :namespace AND idle_until IS NOT NULL AND idle_until < :now
+    LIMIT :count
+);
+
+-- name: sweep_keys (postgres)
+-- SKIP LOCKED: a key another transaction holds is in use, never waited for.
+DELETE FROM singleton_keys WHERE ctid IN (
+    SELECT ctid FROM singleton_keys
+    WHERE namespace = :namespace AND idle_until IS NOT NULL AND idle_until < :now
+    LIMIT :count
+    FOR UPDATE SKIP LOCKED
+);
 
 -- name: get_run
 SELECT run_id, seq, state, created_at, confirmed, generation, live, payload, token,
-       holder_generation, admitted_at, heartbeat_at, lease_expires_at, executing, lease, orphan_timeout
+       holder_generation, admitted_at, heartbeat_at, lease_expires_at, executing, lease, orphan_timeout,
+       recheck, seen_at, passed_over_at
 FROM singleton_runs
 WHERE namespace = :namespace AND scope = :scope AND key = :key AND run_id = :run_id;
 
 -- name: save_run
 INSERT INTO singleton_runs (
     namespace, scope, key, run_id, seq, state, created_at, confirmed, generation, live, payload, token,
-    holder_generation, admitted_at, heartbeat_at, lease_expires_at, executing, lease, orphan_timeout
+    holder_generation, admitted_at, heartbeat_at, lease_expires_at, executing, lease, orphan_timeout,
+    recheck, seen_at, passed_over_at
 ) VALUES (
     :namespace, :scope, :key, :run_id, :seq, :state, :created_at, :confirmed, :generation, :live, :payload,
     :token, :holder_generation, :admitted_at, :heartbeat_at, :lease_expires_at, :executing, :lease,
-    :orphan_timeout
+    :orphan_timeout, :recheck, :seen_at, :passed_over_at
 )
 ON CONFLICT (namespace, scope, key, run_id) DO UPDATE SET
     seq = excluded.seq,
@@ -61,7 +87,10 @@ ON CONFLICT (namespace, scope, key, run_id) DO UPDATE SET
     lease_expires_at = excluded.lease_expires_at,
     executing = excluded.executing,
     lease = excluded.lease,
-    orphan_timeout = excluded.orphan_timeout;
+    orphan_timeout = excluded.orphan_timeout,
+    recheck = excluded.recheck,
+    seen_at = excluded.seen_at,
+    passed_over_at = excluded.passed_over_at;
 
 -- name: delete_run
 DELETE FROM singleton_runs
@@ -73,7 +102,7 @@ WHERE namespace = :namespace AND scope = :scope AND key = :key AND run_id = :run
 SELECT c.runs,
        r.run_id, r.seq, r.state, r.created_at, r.confirmed, r.generation, r.live, r.payload, r.token,
        r.holder_generation, r.admitted_at, r.heartbeat_at, r.lease_expires_at, r.executing, r.lease,
-       r.orphan_timeout
+       r.orphan_timeout, r.recheck, r.seen_at, r.passed_over_at
 FROM (
     SELECT count(*) AS runs FROM singleton_runs
     WHERE namespace = :namespace AND scope = :scope AND key = :key
@@ -85,7 +114,8 @@ ORDER BY r.token;
 -- name: waiters_from
 -- The state literals match the partial indexes' predicates, so the planners can use them.
 SELECT run_id, seq, state, created_at, confirmed, generation, live, payload, token,
-       holder_generation, admitted_at, heartbeat_at, lease_expires_at, executing, lease, orphan_timeout
+       holder_generation, admitted_at, heartbeat_at, lease_expires_at, executing, lease, orphan_timeout,
+       recheck, seen_at, passed_over_at
 FROM singleton_runs
 WHERE namespace = :namespace AND scope = :scope AND key = :key AND state <> 'holding' AND seq > :after_seq
 ORDER BY seq
@@ -95,20 +125,37 @@ LIMIT :count;
 SELECT count(*) FROM singleton_runs
 WHERE namespace = :namespace AND scope = :scope AND key = :key AND state <> 'holding' AND seq < :seq;
 
--- name: unconfirmed_before
+-- name: count_passed_over
+SELECT count(*) FROM singleton_runs
+WHERE namespace = :namespace AND scope = :scope AND key = :key
+  AND state <> 'holding' AND passed_over_at IS NOT NULL AND passed_over_at < :now;
+
+-- name: passed_over_before
 SELECT run_id FROM singleton_runs
 WHERE namespace = :namespace AND scope = :scope AND key = :key
-  AND state = 'pending' AND NOT confirmed AND created_at < :created_before
-ORDER BY created_at, run_id;
+  AND state <> 'holding' AND passed_over_at IS NOT NULL AND passed_over_at < :before
+ORDER BY passed_over_at, run_id;
 
 -- name: settled_generation
 SELECT generation FROM singleton_settled
 WHERE namespace = :namespace AND scope = :scope AND key = :key AND run_id = :run_id
   AND expires_at > :now;
 
--- name: delete_expired_settled
-DELETE FROM singleton_settled
-WHERE namespace = :namespace AND scope = :scope AND key = :key AND expires_at <= :now;
+-- name: sweep_settled
+-- A few expired markers of the namespace (each settlement adds one and sweeps two).
+DELETE FROM singleton_settled WHERE rowid IN (
+    SELECT rowid FROM singleton_settled
+    WHERE namespace = :namespace AND expires_at <= :now
+    LIMIT :count
+);
+
+-- name: sweep_settled (postgres)
+DELETE FROM singleton_settled WHERE ctid IN (
+    SELECT ctid FROM singleton_settled
+    WHERE namespace = :namespace AND expires_at <= :now
+    LIMIT :count
+    FOR UPDATE SKIP LOCKED
+);
 
 -- name: mark_settled
 INSERT INTO singleton_settled (namespace, scope, key, run_id, generation, expires_at)
@@ -122,14 +169,15 @@ DELETE FROM singleton_settled
 WHERE namespace = :namespace AND scope = :scope AND key = :key AND run_id = :run_id;
 
 -- name: snapshot
--- One statement, so one consistent view without locking any key.
+-- One statement, so one consistent view without locking any key. It starts from the runs, so
+-- idle keys (which have none) cost nothing.
 SELECT k.scope, k.key, k.token, k.seq, k.slot_limit,
        r.run_id, r.seq, r.state, r.created_at, r.confirmed, r.generation, r.live, r.payload, r.token,
        r.holder_generation, r.admitted_at, r.heartbeat_at, r.lease_expires_at, r.executing, r.lease,
-       r.orphan_timeout
-FROM singleton_keys AS k
-JOIN singleton_runs AS r ON r.namespace = k.namespace AND r.scope = k.scope AND r.key = k.key
-WHERE k.namespace = :namespace
+       r.orphan_timeout, r.recheck, r.seen_at, r.passed_over_at
+FROM singleton_runs AS r
+JOIN singleton_keys AS k ON r.namespace = k.namespace AND r.scope = k.scope AND r.key = k.key
+WHERE r.namespace = :namespace
   AND (CAST(:scope AS TEXT) IS NULL OR k.scope = :scope)
   AND (CAST(:key AS TEXT) IS NULL OR k.key = :key);
 

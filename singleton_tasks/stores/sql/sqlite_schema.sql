@@ -6,7 +6,8 @@ CREATE TABLE IF NOT EXISTS singleton_schema_version (
     version INTEGER PRIMARY KEY
 );
 
--- Per scope+key counters; the row (and its token) outlives the key's runs (SPEC §8).
+-- Per scope+key counters. A key without runs is idle: its row is deleted once `idle_until`
+-- has passed (SPEC §8; tokens come from the store clock, so they keep increasing after that).
 -- (SQLite serializes every operation with BEGIN IMMEDIATE: one writer per database.)
 CREATE TABLE IF NOT EXISTS singleton_keys (
     namespace TEXT NOT NULL,
@@ -15,6 +16,7 @@ CREATE TABLE IF NOT EXISTS singleton_keys (
     token INTEGER NOT NULL DEFAULT 0,
     seq INTEGER NOT NULL DEFAULT 0,
     slot_limit INTEGER NOT NULL DEFAULT 1,
+    idle_until REAL,
     PRIMARY KEY (namespace, scope, key)
 );
 
@@ -39,6 +41,9 @@ CREATE TABLE IF NOT EXISTS singleton_runs (
     executing INTEGER NOT NULL,
     lease REAL NOT NULL,
     orphan_timeout REAL,
+    recheck REAL NOT NULL DEFAULT 10.25,
+    seen_at REAL NOT NULL DEFAULT 0,
+    passed_over_at REAL,
     PRIMARY KEY (namespace, scope, key, run_id)
 );
 
@@ -47,11 +52,12 @@ CREATE INDEX IF NOT EXISTS singleton_runs_waiters ON singleton_runs (namespace, 
     WHERE state <> 'holding';
 CREATE INDEX IF NOT EXISTS singleton_runs_holders ON singleton_runs (namespace, scope, key, token)
     WHERE state = 'holding';
-CREATE INDEX IF NOT EXISTS singleton_runs_unconfirmed ON singleton_runs (namespace, scope, key, created_at)
-    WHERE state = 'pending' AND NOT confirmed;
+-- Waiters by when they are passed over: counted against the backlog cap, removed after retention.
+CREATE INDEX IF NOT EXISTS singleton_runs_overdue ON singleton_runs (namespace, scope, key, passed_over_at)
+    WHERE state <> 'holding' AND passed_over_at IS NOT NULL;
 
--- Admitted generations of recently settled runs (stale-copy detection); expired rows are
--- deleted when the key settles another run.
+-- Admitted generations of recently settled runs (stale-copy detection), for `retention`;
+-- expired rows are swept namespace-wide.
 CREATE TABLE IF NOT EXISTS singleton_settled (
     namespace TEXT NOT NULL,
     scope TEXT NOT NULL,
@@ -62,6 +68,10 @@ CREATE TABLE IF NOT EXISTS singleton_settled (
     PRIMARY KEY (namespace, scope, key, run_id)
 );
 
-CREATE INDEX IF NOT EXISTS singleton_settled_expiry ON singleton_settled (namespace, scope, key, expires_at);
+CREATE INDEX IF NOT EXISTS singleton_settled_expiry ON singleton_settled (namespace, expires_at);
+
+CREATE INDEX IF NOT EXISTS singleton_keys_idle ON singleton_keys (namespace, idle_until)
+    WHERE idle_until IS NOT NULL;
 
 INSERT INTO singleton_schema_version (version) VALUES (1) ON CONFLICT DO NOTHING;
+INSERT INTO singleton_schema_version (version) VALUES (2) ON CONFLICT DO NOTHING;
