@@ -13,6 +13,7 @@ version = release
 extensions = [
     "myst_parser",  # the pages are Markdown (they read as they are on GitHub too)
     "sphinx.ext.autodoc",  # the API reference, from the docstrings
+    "sphinx.ext.napoleon",  # their "Parameters:" sections
 ]
 
 source_suffix = {".md": "markdown"}

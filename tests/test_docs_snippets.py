@@ -27,7 +27,7 @@ PYTHON_BLOCK = re.compile(r"^```python\n(?P<code>.*?)\n```", re.S | re.M)
 
 STORE_URL = '"redis://localhost:6379/1"'
 
-HARNESS = r'''
+HARNESS = r"""
 import json, sys, time, types
 
 blocks = json.loads(sys.argv[1])
@@ -46,7 +46,7 @@ def produce():
     exec(compile(blocks["producer"], "<producer>", "exec"), {"__name__": "__main__"})
 
 
-tasks_code = blocks["tasks"].replace(%(store)r, repr(store_url))
+tasks_code = blocks["tasks"].replace(blocks["store_in_text"], repr(store_url))
 if framework == "dramatiq":
     import dramatiq
     import dramatiq.brokers.redis
@@ -86,7 +86,7 @@ else:
         started = time.monotonic()
         produce()
 print(f"elapsed {time.monotonic() - started:.2f}", flush=True)
-''' % {"store": STORE_URL}
+"""
 
 
 def snippets(page: Path) -> dict[str, str]:
@@ -106,6 +106,7 @@ def test_quickstart_runs_as_written(page: Path, framework: str, tmp_path: Path) 
     assert STORE_URL in tasks, f"the {framework} quickstart no longer names the store {STORE_URL}"
     blocks = {
         "framework": framework,
+        "store_in_text": STORE_URL,
         "store_url": f"sqlite:///{tmp_path / 'store.db'}",
         "tasks": tasks,
         "producer": producer,
