@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 from singleton_tasks import gate
 from singleton_tasks.gate import KeyMeta, KeyTransaction, RunRecord, Timings
 from singleton_tasks.outcomes import HolderRef, KeySnapshot, RunState
-from singleton_tasks.stores.base import SCHEMA_VERSION, RuleStore, snapshot_of
+from singleton_tasks.stores.base import SCHEMA_VERSION, Clock, RuleStore, snapshot_of
 
 
 @dataclass
@@ -57,13 +57,22 @@ _SERVERS_LOCK = threading.Lock()
 class _Transaction(KeyTransaction):
     """One key's records, read and written while the store holds that key's lock."""
 
-    def __init__(self, data: _Key) -> None:
+    def __init__(self, data: _Key, now: float) -> None:
         self.data = data
+        self._now = now
+
+    def now(self) -> float:
+        # Every deadline is decided on the store's clock: a server-backed store reads its
+        # server's clock here (once the key is locked); this one serves one process.
+        return self._now
 
     def meta(self) -> KeyMeta | None:
         return replace(self.data.meta) if self.data.meta else None
 
     def save_meta(self, meta: KeyMeta) -> None:
+        # meta.idle_until set: the key has no runs, and may be deleted with its settled markers
+        # after that time (the rules treat it as forgotten either way). A real store deletes
+        # such keys in sweep(); this example keeps them.
         self.data.meta = replace(meta)
 
     def get_run(self, run_id: str) -> RunRecord | None:
@@ -93,12 +102,17 @@ class _Transaction(KeyTransaction):
     def waiters_before(self, seq: int) -> int:
         return sum(1 for run in self._waiters() if run.seq < seq)
 
-    def unconfirmed_before(self, created_before: float) -> list[str]:
-        return [
-            run.run_id
-            for run in self.data.runs.values()
-            if run.state is RunState.PENDING and not run.confirmed and run.created_at < created_before
-        ]
+    def _overdue(self, before: float) -> list[RunRecord]:
+        # A real store keeps an index of waiters on passed_over_at.
+        waiting = (run for run in self.data.runs.values() if run.state is not RunState.HOLDING)
+        overdue = [run for run in waiting if run.passed_over_at is not None and run.passed_over_at < before]
+        return sorted(overdue, key=lambda run: (run.passed_over_at or 0.0, run.run_id))
+
+    def count_passed_over(self, now: float) -> int:
+        return len(self._overdue(now))
+
+    def passed_over_before(self, before: float) -> list[str]:
+        return [run.run_id for run in self._overdue(before)]
 
     def settled_generation(self, run_id: str, now: float) -> int | None:
         marker = self.data.settled.get(run_id)
@@ -119,8 +133,16 @@ class DictStore(RuleStore):
 
     schemes = ("dict",)
 
-    def __init__(self, url: str = "dict://", *, namespace: str = "default", timings: Timings | None = None):
-        super().__init__(url, namespace=namespace, timings=timings)
+    def __init__(
+        self,
+        url: str = "dict://",
+        *,
+        namespace: str = "default",
+        retention: float | None = None,
+        timings: Timings | None = None,
+        clock: Clock | None = None,
+    ):
+        super().__init__(url, namespace=namespace, retention=retention, timings=timings, clock=clock)
         with _SERVERS_LOCK:
             self._server = _SERVERS.setdefault(urlsplit(url).netloc, _Server())
 
@@ -135,20 +157,21 @@ class DictStore(RuleStore):
         with data.lock:
             before = copy.deepcopy((data.meta, data.runs, data.settled))
             try:
-                yield _Transaction(data)
+                yield _Transaction(data, self.time())
             except BaseException:
                 data.meta, data.runs, data.settled = before
                 raise
 
-    def _heartbeat_batch(self, holders: Sequence[HolderRef], now: float) -> list[bool]:
-        # A server-backed store sends all of these in one call (one round trip per interval).
+    def _heartbeat_batch(self, holders: Sequence[HolderRef]) -> tuple[list[bool], float]:
+        # A server-backed store sends all of these in one call (one round trip per interval)
+        # and answers with its clock, which workers compare with theirs.
         alive = []
         for ref in holders:
             with self.transaction(ref.scope, ref.key) as tx:
-                alive.append(gate.heartbeat(tx, ref.run_id, ref.token, now=now))
-        return alive
+                alive.append(gate.heartbeat(tx, ref.run_id, ref.token))
+        return alive, self.time()
 
-    def snapshot(self, *, now: float, scope: str | None = None, key: str | None = None) -> list[KeySnapshot]:
+    def snapshot(self, *, scope: str | None = None, key: str | None = None) -> list[KeySnapshot]:
         with self._server.lock:
             mine = sorted(
                 ((ident, data) for ident, data in self._server.keys.items() if ident[0] == self.namespace),
