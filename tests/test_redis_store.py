@@ -512,3 +512,49 @@ def test_states_survive_the_round_trip(namespace: str) -> None:
     at(store, now + 0.3).register(waiter, confirmed=False)
     assert at(store, now).snapshot()[0].waiters[0].state is RunState.PENDING
     store.close()
+
+
+def test_a_phantom_holder_is_evicted_shown_and_released(namespace: str) -> None:
+    """A holder whose run hash is gone (an evicting or failed-over server) never sticks its key."""
+    from singleton_tasks.cli import inspect_document
+
+    store = RedisStore(REDIS_URL, namespace=namespace, clock=ManualClock(1000.0))
+    ghost, waiter = RunSpec("s", "k", "ghost"), RunSpec("s", "k", "waiter")
+    assert at(store, 1000.0).claim(ghost, 0, None).decision is Decision.ADMITTED
+    gated = at(store, 1001.0).claim(waiter, 0, b"w")
+    assert gated.decision is Decision.GATED
+    store._client.delete(store._prefix("s", "k") + b"run:ghost")  # the data is lost, the index entry stays
+    # The CLI shows it (it used to crash on the missing fields) and says what it is.
+    [snap] = at(store, 1002.0).snapshot()
+    assert [(h.run_id, h.phantom) for h in snap.holders] == [("ghost", True)]
+    document = inspect_document(store, [snap], 1002.0)
+    assert document["keys"][0]["holders"][0]["status"] == "phantom"
+    # The next call on the key evicts it and hands the slot on.
+    outcome = at(store, 1002.0).claim(waiter, gated.generation or 0, b"w")
+    assert outcome.decision is Decision.ADMITTED and outcome.evicted == ("ghost",)
+    # A phantom waiter is removed as soon as a call meets it, and an operator can release one.
+    assert at(store, 1003.0).register(RunSpec("s", "k", "lost")).status is Registered.REGISTERED
+    store._client.delete(store._prefix("s", "k") + b"run:lost")
+    assert [w.run_id for w in at(store, 1003.0).snapshot()[0].waiters if w.phantom] == ["lost"]
+    released = at(store, 1004.0).operator_release("lost")
+    assert released is not None and released.released
+    assert at(store, 1004.0).snapshot()[0].waiters == ()
+    store.close()
+
+
+def test_a_server_refusing_time_in_scripts_is_a_clear_error_and_nothing_is_written(namespace: str) -> None:
+    """The store decides on the server's clock; a user the ACL keeps from TIME cannot use it."""
+    admin = redis_mod.Redis.from_url(REDIS_URL)
+    user = f"notime{uuid.uuid4().hex[:8]}"
+    admin.acl_setuser(user, enabled=True, passwords=["+secret"], keys=["*"], commands=["+@all", "-time"])
+    host = REDIS_URL.split("://", 1)[1]
+    store = RedisStore(f"redis://{user}:secret@{host}", namespace=namespace)
+    try:
+        with pytest.raises(SingletonConfigError, match="TIME") as info:
+            store.register(RunSpec("s", "k", "r"))
+        assert "secret" not in str(info.value)
+        assert list(admin.scan_iter(match=f"{namespace}:*")) == []
+    finally:
+        store.close()
+        admin.acl_deluser(user)
+        admin.close()

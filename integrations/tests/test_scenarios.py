@@ -92,7 +92,7 @@ def test_killed_holder_takes_its_slot_back(
     harness: Callable[..., Harness], framework: str, broker: str, store: str
 ) -> None:
     """The redelivered message of a SIGKILLed holder reclaims its slot before any same-key waiter."""
-    h = harness("kill-holder", framework, broker, store, lease=2.0, orphan_timeout=60.0, pool="prefork")
+    h = harness("kill-holder", framework, broker, store, lease=3.0, orphan_timeout=60.0, pool="prefork")
     h.workers.start(2)
     holder = h.producer.send("mutex", "K", duration=6.0)
     first = started(h, holder.run_id)[0]
@@ -127,7 +127,7 @@ def test_lost_holder_is_evicted_after_orphan_timeout(
     harness: Callable[..., Harness], framework: str, broker: str, store: str
 ) -> None:
     """A SIGKILLed holder whose message was purged is evicted after ``orphan_timeout``; the key moves on."""
-    lease, orphan_timeout = 2.0, 3.0
+    lease, orphan_timeout = 3.0, 3.0
     h = harness("lost-holder", framework, broker, store, lease=lease, orphan_timeout=orphan_timeout)
     (worker,) = h.workers.start(1)
     holder = h.producer.send("mutex", "L", duration=60.0)

@@ -333,12 +333,24 @@ class RedisStore(Store):
     # -- plumbing -----------------------------------------------------------------------------
 
     def _fail(self, error: redis.exceptions.RedisError) -> NoReturn:
-        if isinstance(error, redis.exceptions.ResponseError) and "'TIME'" in str(error):
-            raise SingletonConfigError(
-                f"{self!r}: the server refuses TIME inside scripts, and the store decides every "
-                f"deadline on the server's clock (nothing was written): {error}"
-            ) from error
+        if isinstance(error, redis.exceptions.ResponseError) and "can't run this command" in str(error):
+            # The ACL keeps this user from a command the scripts call: a setup error, not an outage.
+            raise SingletonConfigError(f"{self!r}: {self._denied_command(error)}") from error
         raise StoreUnavailableError(f"{self!r}: {type(error).__name__}: {error}") from error
+
+    def _denied_command(self, error: redis.exceptions.RedisError) -> str:
+        """Which command a script was refused: TIME (the clock every deadline is decided on) or another."""
+        try:
+            self._thread_client().eval("return redis.call('TIME')", 0)
+        except redis.exceptions.ResponseError as probe:
+            if "can't run this command" in str(probe):
+                return (
+                    "the server refuses TIME inside scripts to this user, and the store decides every "
+                    "deadline on the server's clock; allow TIME (ACL +time). Nothing was written"
+                )
+        except redis.exceptions.RedisError:
+            pass
+        return f"the user may not run a command the store's scripts need (nothing was written): {error}"
 
     def _clock_arg(self) -> bytes:
         """The time the scripts decide at: '' for the server's own clock (tests pass a clock)."""

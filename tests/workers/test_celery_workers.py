@@ -433,10 +433,11 @@ def test_visibility_timeout_redelivery_of_a_live_holder_is_deferred(
 ) -> None:
     if "redis" not in brokers():
         pytest.skip("the Redis broker's visibility timeout")
-    # A 1 s lease: only the heartbeats of the pool process running the holder keep it live.
-    workers = make_workers("redis", store, visibility_timeout=1.0, lease=1.0)
+    # The shortest lease (3 s) under a 7 s body: only the heartbeats of the pool process running
+    # the holder keep it live.
+    workers = make_workers("redis", store, visibility_timeout=1.0, lease=3.0)
     workers.start(pools=(pool, pool))
-    holder = workers.record.delay("K", "holder", 4.0)
+    holder = workers.record.delay("K", "holder", 7.0)
     # kombu restores the unacked, still-running message after ~1 s: the copy meets a live lease.
     workers.wait(
         lambda: len(workers.deliveries(holder.id)) >= 2, timeout=15, what="a redelivery of the holder"

@@ -1,0 +1,85 @@
+"""The shared worker runtime: clock comparison, retention warnings, heartbeats paced by the leases held."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+import pytest
+
+from singleton_tasks import SingletonConfig, SingletonConfigError, store_from_url
+from singleton_tasks.config import BoundSingleton
+from singleton_tasks.outcomes import HolderRef, RunSpec
+from singleton_tasks.runtime import Gatekeeper, WorkerOptions
+from singleton_tasks.testing import ManualClock
+
+
+def bound(**config: object) -> BoundSingleton:
+    return BoundSingleton.bind(SingletonConfig(key="k", **config), task_name="tasks.t", signature=None)  # type: ignore[arg-type]
+
+
+def memory(**options: object) -> str:
+    return f"memory://runtime-{uuid.uuid4().hex}"
+
+
+def test_worker_start_warns_about_a_skewed_clock(caplog: pytest.LogCaptureFixture) -> None:
+    store = store_from_url(memory(), clock=ManualClock(time.time() + 900))
+    with caplog.at_level(logging.WARNING, logger="singleton_tasks"):
+        Gatekeeper(store).check()
+    assert any("900" in r.getMessage() and "behind" in r.getMessage() for r in caplog.records), caplog.text
+    caplog.clear()
+    in_step = store_from_url(memory(), clock=ManualClock(time.time() + 0.2))
+    with caplog.at_level(logging.WARNING, logger="singleton_tasks"):
+        Gatekeeper(in_step).check()
+    assert not [r for r in caplog.records if "clock" in r.getMessage()]
+
+
+def test_a_heartbeat_reports_the_store_clock_and_warns_about_skew(caplog: pytest.LogCaptureFixture) -> None:
+    clock = ManualClock(time.time() - 120)
+    gatekeeper = Gatekeeper(store_from_url(memory(), clock=clock))
+    spec = RunSpec("s", "k", "r")
+    outcome = gatekeeper.store.claim(spec, 0, None)
+    gatekeeper.heartbeats.track(HolderRef("s", "k", "r", outcome.token or 0), 60.0)
+    with caplog.at_level(logging.WARNING, logger="singleton_tasks"):
+        assert gatekeeper.heartbeats.beat() == []
+    assert any("ahead of" in r.getMessage() for r in caplog.records), caplog.text
+    gatekeeper.close()
+
+
+def test_worker_start_warns_when_retention_is_shorter_than_a_task_can_wait(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    gatekeeper = Gatekeeper(store_from_url(memory(), retention=30.0))
+    with caplog.at_level(logging.WARNING, logger="singleton_tasks"):
+        gatekeeper.check([bound(), bound(lease=5.0, orphan_timeout=10.0)])
+    warned = [r.getMessage() for r in caplog.records if "retention" in r.getMessage()]
+    assert len(warned) == 1 and "660" in warned[0] and "tasks.t" in warned[0]  # lease 60 + orphan 600
+    gatekeeper.close()
+
+
+def test_the_heartbeat_interval_follows_the_shortest_lease_held() -> None:
+    gatekeeper = Gatekeeper(store_from_url(memory()), lease=60.0)
+    beats = gatekeeper.heartbeats
+    assert beats.interval == 20.0
+    beats.track(HolderRef("s", "a", "a", 1), 60.0)
+    beats.track(HolderRef("s", "b", "b", 1), 4.5)
+    assert beats.interval == 1.5  # three beats per the shortest lease held
+    beats.untrack("b")
+    assert beats.interval == 20.0
+    gatekeeper.close()
+    assert Gatekeeper(store_from_url(memory()), heartbeat_interval=2.0).heartbeats.interval == 2.0
+
+
+@pytest.mark.parametrize("lease", [0.5, 2.9, 0, -1, "10", True])
+def test_a_lease_too_short_to_heartbeat_is_refused(lease: object) -> None:
+    with pytest.raises(SingletonConfigError, match=repr(lease)):
+        WorkerOptions(lease=lease)  # type: ignore[arg-type]
+    with pytest.raises(SingletonConfigError, match="lease"):
+        SingletonConfig(key="k", lease=lease)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("retention", [0, -5.0, "soon", float("inf"), True])
+def test_a_bad_retention_is_refused(retention: object) -> None:
+    with pytest.raises(SingletonConfigError, match="retention"):
+        store_from_url(memory(), retention=retention)
