@@ -33,6 +33,7 @@ from .config import (
     check_lease,
 )
 from .errors import SingletonConfigError, SingletonQueueFullError, StoreUnavailableError
+from .gate import issued_before
 from .outcomes import (
     ClaimOutcome,
     Decision,
@@ -279,6 +280,14 @@ class Gatekeeper:
                 )
             self.heartbeats.track(
                 HolderRef(spec.scope, spec.key, spec.run_id, outcome.token or 0), spec.lease
+            )
+        if outcome.decision is Decision.STALE and issued_before(generation, clock.now() - self.store.retention):
+            logger.warning(
+                "%s run %s: a copy issued more than the store's retention (%gs) ago was dropped as stale; "
+                "to re-drive a dead letter that old, remove its singleton_gen or send the run anew",
+                task_name,
+                spec.run_id,
+                self.store.retention,
             )
         if logger.isEnabledFor(logging.DEBUG):  # every delivery passes here: build nothing when off
             logger.debug(

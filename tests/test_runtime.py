@@ -83,3 +83,14 @@ def test_a_lease_too_short_to_heartbeat_is_refused(lease: object) -> None:
 def test_a_bad_retention_is_refused(retention: object) -> None:
     with pytest.raises(SingletonConfigError, match="retention"):
         store_from_url(memory(), retention=retention)
+
+
+def test_a_copy_older_than_retention_dropped_as_stale_is_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    gatekeeper = Gatekeeper(store_from_url(memory(), retention=60.0))
+    spec = RunSpec("s", "k", "redriven")
+    old_generation = int((time.time() - 3600) * 1_000_000)
+    with caplog.at_level(logging.WARNING, logger="singleton_tasks"):
+        outcome = gatekeeper.claim("tasks.t", spec, old_generation, None)
+    assert outcome.decision.value == "stale"
+    assert any("remove its singleton_gen" in r.getMessage() for r in caplog.records), caplog.text
+    gatekeeper.close()
