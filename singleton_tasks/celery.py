@@ -39,7 +39,7 @@ from .config import BoundSingleton, SingletonConfig
 from .decorator import TaskDescription, register_describer
 from .errors import SingletonConfigError, SingletonKeyError, StoreUnavailableError
 from .outcomes import Decision, Registered, RunSpec, Wake
-from .runtime import Gatekeeper
+from .runtime import Gatekeeper, check_store_argument
 
 __all__ = ["GENERATION_HEADER", "SingletonTask", "gatekeeper_for", "install"]
 
@@ -83,9 +83,12 @@ def install(
     """Give ``app``'s singleton tasks a store and worker timings (SPEC §2).
 
     ``store`` is a URL or a :class:`~singleton_tasks.Store`; without it ``app.conf.singleton_store``,
-    then ``SINGLETON_TASKS_STORE``, then the embedded SQLite default (with a warning). The
-    store is opened lazily, once per process (after a prefork fork, again in the child).
+    then ``SINGLETON_TASKS_STORE``, then the embedded SQLite default (with a warning). A URL's
+    scheme and syntax are checked here (``SingletonConfigError``), without connecting: the
+    store is opened lazily, once per process (after a prefork fork, again in the child), and a
+    store that cannot be used then makes ``.delay()`` raise within its connect timeout.
     """
+    check_store_argument(store)
     settings = _Settings(
         store,
         namespace,
@@ -261,6 +264,8 @@ class SingletonTask(Task):  # type: ignore[misc]
             outcome = gatekeeper.register(bound, spec, confirmed=True)
         except StoreUnavailableError:
             if not dispatch:
+                if not gatekeeper.ready:
+                    raise  # the store could not even be opened: nothing was written
                 # The registration may have been written before the reply was lost (a timeout):
                 # undo it, or a pending waiter that was never published would hold the line.
                 _undo_registration(gatekeeper, spec, self.name)

@@ -73,11 +73,11 @@ class StoreUnavailable(core.StoreUnavailableError, MiddlewareError):
 
 
 class ConfigError(core.SingletonConfigError, MiddlewareError):
-    """A malformed ``singleton`` actor option, raised when the actor is declared."""
+    """A malformed ``singleton`` option or store URL: raised at declaration, ``.send()`` or worker boot."""
 
 
 class SchemaError(core.SchemaVersionError, MiddlewareError):
-    """The store's schema is missing or incompatible: the worker refuses to start."""
+    """The store's schema is missing or incompatible: the worker refuses to start, ``.send()`` raises."""
 
 
 class DeferralFailed(MiddlewareError):
@@ -106,6 +106,10 @@ class SingletonMiddleware(dramatiq.Middleware):
 
     Parameters:
       store: a store URL or object; default ``SINGLETON_TASKS_STORE``, then the embedded SQLite file.
+        The URL's scheme and syntax are checked here (``SingletonConfigError``), without
+        connecting: the store is opened at first use, and a store that cannot be used then
+        makes ``.send()`` raise within its connect timeout (Redis ``socket_connect_timeout``,
+        PostgreSQL ``timeout``: 5 s by default), with nothing published.
       namespace: isolates applications sharing one store server.
       retry_delay, retry_jitter: seconds until a denied delivery is re-checked (the fallback of the
         wake on release), ± jitter.
@@ -169,10 +173,13 @@ class SingletonMiddleware(dramatiq.Middleware):
         logging.getLogger(_WORKER_LOGGER).addFilter(self._quiet)
         try:
             self.gatekeeper.check()
-        except core.SchemaVersionError as error:
-            raise SchemaError(str(error)) from error
         except core.StoreUnavailableError as error:
             logger.warning("singleton store unavailable at worker start (%s); gating fails closed", error)
+        except core.SingletonError as error:
+            # A MiddlewareError leaves Worker.start(): the worker process exits instead of
+            # deferring every singleton message forever.
+            logger.critical("singleton-tasks: the worker cannot start: %s", error)
+            raise _for_sender(error) from error
 
     def after_worker_thread_boot(self, broker: Broker, thread: WorkerThread) -> None:
         """Open this thread's broker connection now: a first wake must not wait for a connect."""
@@ -204,16 +211,23 @@ class SingletonMiddleware(dramatiq.Middleware):
             spec = replace(spec, max_queue_depth=None)
         try:
             outcome = self.gatekeeper.register(bound, spec, confirmed=False, full_error=QueueFull)
-        except core.StoreUnavailableError as error:
+        except QueueFull:
+            raise
+        except core.SingletonError as error:
+            # Emit_before swallows anything that is not a MiddlewareError and publishes anyway:
+            # every store problem (a bad URL, an unreachable server, a missing schema) is raised
+            # to the caller of .send() as one, and nothing is published.
             if lenient:
                 logger.warning("%s run %s: %s; registered at delivery", bound.task_name, spec.run_id, error)
                 return
-            # The registration may have been written before the reply was lost (a timeout): undo
-            # it now rather than leave a ghost until its grace lapses and the key is touched again.
-            self._or_later(
-                lambda: self.gatekeeper.unregister(spec), f"undoing the registration of run {spec.run_id}"
-            )
-            raise StoreUnavailable(str(error)) from error
+            # A store that could not even be opened (not ready) has written nothing.
+            if self.gatekeeper.ready and isinstance(error, core.StoreUnavailableError):
+                # The registration may have been written before the reply was lost (a timeout): undo
+                # it now rather than leave a ghost until its grace lapses and the key is touched again.
+                self._or_later(
+                    lambda: self.gatekeeper.unregister(spec), f"undoing the registration of run {spec.run_id}"
+                )
+            raise _for_sender(error) from error
         if outcome.status is Registered.EXISTS:
             # A start of a run id that is already in line (SPEC §7): this copy is dropped at the gate.
             logger.info("%s run %s already registered: duplicate start dropped", bound.task_name, spec.run_id)
@@ -488,6 +502,22 @@ def _open_publishing_connection(broker: Broker) -> None:
         rabbitmq.channel  # noqa: B018 - the property connects
     except Exception as error:  # enqueue connects again when it needs to
         logger.warning("could not connect this worker thread to RabbitMQ ahead of use: %s", error)
+
+
+def _for_sender(error: core.SingletonError) -> MiddlewareError:
+    """The same error as a MiddlewareError, the only kind Dramatiq lets reach ``.send()``."""
+    if isinstance(error, MiddlewareError):
+        return error
+    kinds: tuple[tuple[type[core.SingletonError], type[MiddlewareError]], ...] = (
+        (core.StoreUnavailableError, StoreUnavailable),
+        (core.SchemaVersionError, SchemaError),
+        (core.SingletonKeyError, SingletonKeyError),
+        (core.SingletonConfigError, ConfigError),
+    )
+    for core_kind, kind in kinds:
+        if isinstance(error, core_kind):
+            return kind(str(error))
+    return StoreUnavailable(str(error))
 
 
 def _generation(message: MessageProxy) -> int:
