@@ -32,7 +32,7 @@ from dramatiq.worker import ConsumerThread
 from . import admission, clock
 from . import errors as core
 from .config import BoundSingleton, SingletonConfig
-from .decorator import TaskDescription, register_describer
+from .decorator import TaskDescription, adopt, register_describer
 from .outcomes import Decision, Registered, RunSpec, Wake
 from .runtime import Gatekeeper
 from .stores import Store, redact_url
@@ -160,12 +160,21 @@ class SingletonMiddleware(dramatiq.Middleware):
 
     # -- declaration -----------------------------------------------------------------------
     def before_declare_actor(self, broker: Broker, actor: dramatiq.Actor[Any, Any]) -> None:
-        """Validate the ``singleton`` option now, not at the first run (SPEC §2)."""
-        if actor.options.get(OPTION) is not None:
-            try:
+        """Validate the ``singleton`` option now, not at the first run (SPEC §2).
+
+        An actor whose function ``@singleton`` marked (written under ``@dramatiq.actor``) gets
+        its option here.
+        """
+        try:
+            _adopt(actor)
+            if actor.options.get(OPTION) is not None:
                 _bind(actor)
-            except core.SingletonConfigError as error:
-                raise ConfigError(str(error)) from error
+        except core.SingletonConfigError as error:
+            raise ConfigError(str(error)) from error
+
+    def after_declare_actor(self, broker: Broker, actor: dramatiq.Actor[Any, Any]) -> None:
+        """Adopt a marked actor declared before this middleware was added to its broker."""
+        self.before_declare_actor(broker, actor)
 
     # -- worker lifecycle ------------------------------------------------------------------
     def before_worker_boot(self, broker: Broker, worker: Worker) -> None:
@@ -558,6 +567,24 @@ def _bind(actor: dramatiq.Actor[Any, Any]) -> BoundSingleton | None:
     return bound
 
 
+def _adopt(actor: dramatiq.Actor[Any, Any]) -> None:
+    """Give an actor whose function ``@singleton`` marked its ``singleton`` option (once)."""
+    declared = adopt(actor.fn)
+    if declared is None:
+        return
+    current = actor.options.get(OPTION)
+    if isinstance(current, BoundSingleton) and current.config is declared.config:
+        return  # adopted already
+    if current is not None:
+        raise core.SingletonConfigError(
+            f"{actor.actor_name} is declared a singleton twice (@singleton and singleton=...); "
+            "declare it once"
+        )
+    actor.options[OPTION] = BoundSingleton.bind(
+        declared.config, task_name=actor.actor_name, signature=_signature(actor)
+    )
+
+
 def _bound_for(broker: Broker, actor_name: str) -> BoundSingleton | None:
     actor = broker.actors.get(actor_name)
     if actor is None:
@@ -577,6 +604,11 @@ def _describe_actor(task: object) -> TaskDescription | None:
     actor: dramatiq.Actor[Any, Any] = task  # type: ignore[assignment]
 
     def attach(bound: BoundSingleton) -> object:
+        if actor.options.get(OPTION) is not None:
+            raise core.SingletonConfigError(
+                f"{actor.actor_name} is declared a singleton twice (@singleton and singleton=...); "
+                "declare it once"
+            )
         actor.options[OPTION] = bound
         _require_middleware(actor)
         return actor
