@@ -26,6 +26,12 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, ClassVar, NoReturn
 
+from ._extras import missing
+
+try:
+    import celery  # noqa: F401 - the first import of the extra names it when missing
+except ImportError as error:
+    raise missing("singleton_tasks.celery", "Celery", "celery", error) from error
 from celery import Celery, Task, bootsteps, signals
 from celery import states as celery_states
 from celery._state import _get_active_apps, connect_on_app_finalize, get_current_worker_task

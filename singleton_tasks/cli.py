@@ -634,13 +634,20 @@ def migrate(store_url: str | None, namespace: str, check: bool) -> None:
 
 
 @cli.command()
-def demo() -> None:
+@click.option(
+    "--framework",
+    type=click.Choice(["dramatiq", "celery"]),
+    default=None,
+    help="Run it on this framework (default: Dramatiq if it is installed, else Celery).",
+)
+def demo(framework: str | None) -> None:
     """The sync-inventory story on the embedded SQLite store: no server needed (~3 s)."""
-    from rich.console import Console
+    from .demo import DemoUnavailable, run_demo
 
-    from .demo import run_demo
-
-    run_demo(Console())
+    try:
+        run_demo(Console(), framework=framework)
+    except DemoUnavailable as error:
+        raise StoreProblem(str(error)) from None
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -25,7 +25,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-import dramatiq
+from ._extras import missing
+
+try:
+    import dramatiq
+except ImportError as error:
+    raise missing("singleton_tasks.dramatiq", "Dramatiq", "dramatiq", error) from error
 from dramatiq.middleware import MiddlewareError, SkipMessage
 from dramatiq.worker import ConsumerThread
 
