@@ -160,3 +160,38 @@ def test_the_demo_runs_on_celery_when_only_celery_is_installed(celery_only: Env)
     assert "A ran in order: ['A1', 'A2', 'A3']" in result.stdout
     dramatiq = celery_only.run(code="import singleton_tasks.dramatiq")
     assert "pip install 'singleton-tasks[dramatiq]'" in dramatiq.stderr
+
+
+def test_the_readmes_two_commands_work_with_the_pip_of_a_fresh_venv(tmp_path: Path) -> None:
+    """The first command installs everything the second needs, with the pip ``venv`` ships."""
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("## Two commands", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    install, test = (line.split("#", 1)[0].strip() for line in block.strip().splitlines())
+    folder = tmp_path / "fresh"
+    venv.EnvBuilder(with_pip=True, system_site_packages=False).create(folder)  # ensurepip's pip
+    env = {
+        "PATH": f"{folder / 'bin'}:/usr/bin:/bin",
+        "HOME": os.environ.get("HOME", "/tmp"),
+        "COLUMNS": "120",
+        "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+    }
+    first = subprocess.run(
+        ["bash", "-c", install], cwd=ROOT, env=env, capture_output=True, text=True, timeout=480
+    )
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "5 runs, 1 rejected, 0 same-key overlaps" in first.stdout
+    program = test.split()[0]
+    assert (folder / "bin" / program).exists(), f"{install!r} does not install {program!r}"
+    # This tox meets tox.ini's `requires` (no provisioning) and reads the dependency groups itself:
+    # the pip of the environment it installs them into is not the old one of this venv.
+    listed = subprocess.run(
+        [str(folder / "bin" / program), "config", "-e", "unit", "-k", "dependency_groups"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert listed.returncode == 0, listed.stdout + listed.stderr
+    assert "dependency_groups = test" in listed.stdout, listed.stdout
+    assert ".tox/.tox" not in listed.stdout + listed.stderr  # not provisioned
