@@ -128,7 +128,8 @@ class Gatekeeper:
         missing schema) raises at every use until it can, within the store's connect timeout;
         a failed open leaves no client or pool behind.
         """
-        self._after_fork()
+        if self._pid != os.getpid():
+            self._after_fork()
         store = self._store
         if store is None or not self._ready:
             with self._lock:
