@@ -4,16 +4,22 @@ Run it as it is (in-process worker, embedded SQLite store, no server)::
 
     python examples/dramatiq_sync_inventory.py
 
-Against real servers, shared by every worker host::
+Against real servers, shared by every worker host, from the repository's root::
 
-    SINGLETON_TASKS_STORE=redis://localhost:6379/1 DRAMATIQ_BROKER_URL=redis://localhost:6379/0 \
-        python examples/dramatiq_sync_inventory.py            # producer + in-process worker
-    dramatiq examples.dramatiq_sync_inventory                 # or real worker processes
+    export SINGLETON_TASKS_STORE=redis://localhost:6379/1 DRAMATIQ_BROKER_URL=redis://localhost:6379/0
+    python examples/dramatiq_sync_inventory.py                   # producer + in-process worker
+    # or real worker processes, and the producer alone:
+    dramatiq examples.dramatiq_sync_inventory
+    python examples/dramatiq_sync_inventory.py --producer-only
+
+``SINGLETON_TASKS_NAMESPACE`` (the variable ``singleton-tasks inspect`` reads too) picks the
+store namespace.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import dramatiq
@@ -39,15 +45,21 @@ def make_broker() -> dramatiq.Broker:
 broker = make_broker()
 # The middleware goes on the broker before any actor is declared. Its store comes from
 # SINGLETON_TASKS_STORE, or the embedded SQLite default (with a warning) when unset.
-broker.add_middleware(SingletonMiddleware(retry_delay=float(os.environ.get("SINGLETON_RETRY_DELAY", "1.0"))))
+broker.add_middleware(
+    SingletonMiddleware(
+        namespace=os.environ.get("SINGLETON_TASKS_NAMESPACE", "default"),
+        retry_delay=float(os.environ.get("SINGLETON_RETRY_DELAY", "1.0")),
+    )
+)
 dramatiq.set_broker(broker)
-broker.emit_after("process_boot")
+# No broker.emit_after("process_boot") here: the `dramatiq` command emits it in each worker
+# process (a second one fails TimeLimit's thread); main() emits it for its in-process worker.
 
 
 @dramatiq.actor(singleton={"key": "store:{store_id}", "max_queue_depth": 2})
 def sync_inventory(store_id: str, seconds: float = 0.3) -> None:
     admission = current_admission()
-    print(f"  syncing store {store_id} (fencing token {admission.token if admission else '?'})")
+    print(f"  syncing store {store_id} (fencing token {admission.token if admission else '?'})", flush=True)
     time.sleep(seconds)
 
 
@@ -57,27 +69,35 @@ def generate_statement(account: str) -> None:
     time.sleep(0.1)
 
 
-def main() -> int:
+def produce() -> int:
     """Send a burst for store A and one run for B; the 4th A run is refused."""
-    rejected = 0
+    sent = rejected = 0
     for store_id in ["A", "A", "A", "B", "A"]:
         try:
             sync_inventory.send(store_id)
+            sent += 1
         except SingletonQueueFullError as error:
             rejected += 1
-            print(f"refused: {error}")
+            print(f"refused: {error}", flush=True)
     generate_statement.send("42")
+    print(f"sent: {sent + 1} runs, {rejected} refused", flush=True)
+    return rejected
+
+
+def main() -> int:
+    if "--producer-only" in sys.argv:
+        return produce()
+    broker.emit_after("process_boot")
+    rejected = produce()
     worker = dramatiq.Worker(broker, worker_threads=4, worker_timeout=50)
     worker.start()
     try:
-        if isinstance(broker, StubBroker):
-            broker.join(sync_inventory.queue_name)
-            worker.join()
-        else:
-            time.sleep(3)
+        broker.join(sync_inventory.queue_name)  # every run done, deferred copies included
+        worker.join()
     finally:
         worker.stop()
-    print(f"done: {rejected} refused")
+        broker.close()
+    print(f"done: {rejected} refused", flush=True)
     return rejected
 
 

@@ -21,10 +21,17 @@ import datetime
 import inspect
 import logging
 import threading
+import types
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, ClassVar, NoReturn
 
+from ._extras import missing
+
+try:
+    import celery  # noqa: F401 - the first import of the extra names it when missing
+except ImportError as error:
+    raise missing("singleton_tasks.celery", "Celery", "celery", error) from error
 from celery import Celery, Task, bootsteps, signals
 from celery import states as celery_states
 from celery._state import _get_active_apps, connect_on_app_finalize, get_current_worker_task
@@ -36,10 +43,10 @@ from kombu.utils import json as _kombu_json
 
 from . import admission, clock
 from .config import BoundSingleton, SingletonConfig
-from .decorator import TaskDescription, register_describer
+from .decorator import TaskDescription, adopt, register_describer
 from .errors import SingletonConfigError, SingletonKeyError, StoreUnavailableError
 from .outcomes import Decision, Registered, RunSpec, Wake
-from .runtime import Gatekeeper, WorkerOptions
+from .runtime import Gatekeeper, WorkerOptions, check_store_argument
 
 __all__ = ["GENERATION_HEADER", "SingletonTask", "gatekeeper_for", "install"]
 
@@ -83,9 +90,12 @@ def install(
     """Give ``app``'s singleton tasks a store and worker timings (SPEC §2).
 
     ``store`` is a URL or a :class:`~singleton_tasks.Store`; without it ``app.conf.singleton_store``,
-    then ``SINGLETON_TASKS_STORE``, then the embedded SQLite default (with a warning). The
-    store is opened lazily, once per process (after a prefork fork, again in the child).
+    then ``SINGLETON_TASKS_STORE``, then the embedded SQLite default (with a warning). A URL's
+    scheme and syntax are checked here (``SingletonConfigError``), without connecting: the
+    store is opened lazily, once per process (after a prefork fork, again in the child), and a
+    store that cannot be used then makes ``.delay()`` raise within its connect timeout.
     """
+    check_store_argument(store)
     settings = _Settings(
         store,
         namespace,
@@ -109,6 +119,7 @@ def install(
     if _SchemaCheck not in steps:
         steps.add(_SchemaCheck)
     _connect_signals()
+    _adopt_declared_tasks(app)
 
 
 class _SchemaCheck(bootsteps.StartStopStep):  # type: ignore[misc]
@@ -269,6 +280,8 @@ class SingletonTask(Task):  # type: ignore[misc]
             outcome = gatekeeper.register(bound, spec, confirmed=False)
         except StoreUnavailableError:
             if not dispatch:
+                if not gatekeeper.ready:
+                    raise  # the store could not even be opened: nothing was written
                 # The registration may have been written before the reply was lost (a timeout):
                 # undo it, or a pending waiter that was never published would hold the line.
                 _undo_registration(gatekeeper, spec, self.name)
@@ -513,6 +526,75 @@ def _connect_signals() -> None:
 
 
 _connect_signals()  # SingletonTask works without install(): the app.conf / env / default store
+
+
+# -- tasks declared a singleton without SingletonTask (issue 16) ---------------------------
+def _adopt_declared_tasks(app: Celery) -> None:
+    """Make every task of ``app`` declared a singleton a singleton, whenever it is created.
+
+    Two declarations make a plain task: ``@app.task(singleton={...})`` without
+    ``base=SingletonTask`` (Celery keeps any extra option as a class attribute) and
+    ``@singleton(...)`` written under ``@app.task`` / ``@shared_task`` (the function carries
+    the config). Tasks created from now on are adopted as they are created; tasks that exist
+    already or that a promise creates at finalization, now and after finalization.
+    """
+    current: Any = app._task_from_fun
+    if not getattr(current, "_singleton_adopting", False):
+        # Celery internal (checked on celery 5.7.0): every task made from a function, by
+        # @app.task (eager or its PromiseProxy), @shared_task and autodiscovery, is created by
+        # the app's _task_from_fun method; an instance attribute of the same name wraps it.
+        # A PromiseProxy made before this point calls the original: the finalize scan adopts it.
+        def _task_from_fun(app: Celery, fun: Any, *args: Any, **options: Any) -> Any:
+            task = current(fun, *args, **options)
+            _adopt(task)
+            return task
+
+        _task_from_fun._singleton_adopting = True  # type: ignore[attr-defined]
+        app._task_from_fun = types.MethodType(_task_from_fun, app)
+        app.on_after_finalize.connect(_adopt_all, weak=False, dispatch_uid="singleton_tasks.adopt")
+    if app.finalized:
+        _adopt_all(app)
+
+
+def _adopt_all(sender: Celery, **_: Any) -> None:
+    for task in list(sender._tasks.values()):
+        _adopt(task)
+
+
+def _adopt(task: Any) -> None:
+    """Upgrade ``task`` to a singleton if it was declared one without SingletonTask."""
+    cls = type(task)
+    run = getattr(task, "run", None)
+    declared = adopt(run) if run is not None else None
+    option = None if issubclass(cls, SingletonTask) else getattr(cls, "singleton", None)
+    if declared is None and option is None:
+        return
+    if issubclass(cls, SingletonTask) and cls._singleton_bound is not None:
+        if declared is not None and cls._singleton_bound.config is not declared.config:
+            raise SingletonConfigError(
+                f"{task.name} is declared a singleton twice (@singleton and singleton=...); declare it once"
+            )
+        return  # adopted already
+    if declared is not None and option is not None:
+        raise SingletonConfigError(
+            f"{task.name} is declared a singleton twice (@singleton and singleton=...); declare it once"
+        )
+    config = declared.config if declared is not None else SingletonConfig.coerce(option, task_name=task.name)
+    try:
+        signature: inspect.Signature | None = inspect.signature(task.run)
+    except (TypeError, ValueError):
+        signature = None
+    _upgrade(task, BoundSingleton.bind(config, task_name=task.name, signature=signature))
+
+
+def _adopt_at_finalize(app: Celery) -> None:
+    _adopt_declared_tasks(app)
+
+
+# Every app, also one that install() never saw, adopts its declared tasks once it is finalized
+# (a worker always finalizes its app). Celery calls these callbacks in finalize(), before it
+# evaluates the pending @app.task promises.
+connect_on_app_finalize(_adopt_at_finalize)
 
 
 # -- copies the library publishes ----------------------------------------------------------

@@ -8,38 +8,8 @@ Exit codes: 0 success; 1 the command's answer is "no" (``release`` of an unknown
 ``migrate --check`` with an upgrade due, a refused confirmation); 2 usage, configuration or
 store error (unreachable store, wrong schema version).
 
-``inspect --json`` prints one JSON document (format 1; times are epoch seconds of the
-store's clock, durations are seconds)::
-
-    {
-      "format": 1,
-      "store": "redis://user:***@host:6379/0",     # redacted
-      "namespace": "default",
-      "schema_version": 1,                           # null: the store was never migrated
-      "now": 1767225600.0,
-      "totals": {"keys": 1, "holders": 1, "waiters": 2},
-      "keys": [                                      # sorted by scope, key
-        {
-          "scope": "tasks.sync_inventory", "key": "store:A", "limit": 1,
-          "token": 42,                               # last fencing token handed out
-          "holders": [                               # by token
-            {"run_id": "…", "token": 42, "admitted_at": …, "heartbeat_at": …,
-             "lease_expires_at": …, "lease_age": 3.2,    # seconds since the last heartbeat
-             "lease_expired": false,
-             "status": "executing"}                  # or "waiting_for_retry"; "phantom": its
-          ],                                         # data is lost, release it
-          "waiters": [                               # in admission order
-            {"run_id": "…", "position": 1, "created_at": …, "waiting": 12.5,
-             "state": "gated",                       # "pending" | "gated" | "woken" | "phantom"
-             "confirmed": true,                      # false: enqueue not yet confirmed
-             "seen_at": …,                           # a live copy of it last reached the store
-             "passed_over": false}                   # unseen too long: owns no slot, not counted
-          ]
-        }
-      ]
-    }
-
-New fields may be added to this format; existing ones keep their name and meaning.
+``inspect --json`` prints one JSON document; its format is in ``singleton-tasks inspect --help``
+(:data:`JSON_HELP`).
 """
 
 from __future__ import annotations
@@ -48,6 +18,7 @@ import getpass
 import io
 import json
 import logging
+import os
 import socket
 import sys
 import time
@@ -55,17 +26,19 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 from urllib.parse import urlsplit
 
 import click
 from rich.console import Console, Group, RenderableType
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
 from .errors import SingletonError
 from .outcomes import HolderView, KeySnapshot, ReleaseOutcome, RunState, WaiterView
-from .stores import SCHEMA_VERSION, Store, redact_url, store_from_url
+from .stores import SCHEMA_VERSION, Store, check_store_url, redact_url, store_from_url
+from .stores.base import check_namespace
 
 logger = logging.getLogger("singleton_tasks")
 
@@ -74,6 +47,41 @@ NAMESPACE_ENV = "SINGLETON_TASKS_NAMESPACE"
 JSON_FORMAT = 1
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+JSON_HELP = """\
+--json prints one JSON document (format 1; times are epoch seconds of the
+store's clock, durations are seconds; the store's password is redacted):
+
+\b
+{
+  "format": 1,
+  "store": "redis://user:***@host:6379/0",     # redacted
+  "namespace": "default",
+  "schema_version": 1,                           # null: the store was never migrated
+  "now": 1767225600.0,
+  "totals": {"keys": 1, "holders": 1, "waiters": 2},
+  "keys": [                                      # sorted by scope, key
+    {
+      "scope": "tasks.sync_inventory", "key": "store:A", "limit": 1,
+      "token": 42,                               # last fencing token handed out
+      "holders": [                               # by token
+        {"run_id": "…", "token": 42, "admitted_at": …, "heartbeat_at": …,
+         "lease_expires_at": …, "lease_age": 3.2,    # seconds since the last heartbeat
+         "lease_expired": false,
+         "status": "executing"}                  # or "waiting_for_retry"; "phantom": its
+      ],                                         # data is lost, release it
+      "waiters": [                               # in admission order
+        {"run_id": "…", "position": 1, "created_at": …, "waiting": 12.5,
+         "state": "gated",                       # "pending" | "gated" | "woken" | "phantom"
+         "confirmed": true,                      # false: enqueue not yet confirmed
+         "seen_at": …,                           # a live copy of it last reached the store
+         "passed_over": false}                   # unseen too long: owns no slot, not counted
+      ]
+    }
+  ]
+}
+
+New fields may be added to this format; existing ones keep their name and meaning."""
 
 
 class StoreProblem(click.ClickException):
@@ -122,12 +130,51 @@ def store_options(func: F) -> F:
     return func
 
 
+class _NoFileYet:
+    """A SQLite store whose file does not exist, as the commands that only read see it: empty.
+
+    Opening it would create the file (and its WAL): ``inspect``, ``top``, ``release`` and
+    ``migrate --check`` leave the host as they found it.
+    """
+
+    def __init__(self, url: str, namespace: str) -> None:
+        self.url = redact_url(url)
+        self.namespace = check_namespace(namespace)
+
+    def schema_version(self) -> int | None:
+        return None
+
+    def time(self) -> float:
+        return time.time()  # a SQLite store's clock is the host's
+
+    def close(self) -> None:
+        pass
+
+
+def _sqlite_file_missing(url: str) -> bool:
+    try:
+        if check_store_url(url) != "sqlite":
+            return False
+    except SingletonError:
+        return False  # store_from_url reports it
+    from .stores.sqlite import sqlite_path
+
+    path = sqlite_path(url)
+    return path != ":memory:" and not os.path.exists(path)
+
+
 @contextmanager
-def open_store(store_url: str | None, namespace: str) -> Iterator[Store]:
-    """The store, with every library error turned into a clean, redacted CLI error."""
+def open_store(store_url: str | None, namespace: str, *, create: bool = False) -> Iterator[Store]:
+    """The store, with every library error turned into a clean, redacted CLI error.
+
+    Unless ``create``, a SQLite file that does not exist is not created: it is shown empty.
+    """
     url = store_url or _default_store_url()
     store: Store | None = None
     try:
+        if not create and _sqlite_file_missing(url):
+            yield cast(Store, _NoFileYet(url, namespace))
+            return
         store = store_from_url(url, namespace=namespace)
         yield store
     except SingletonError as error:
@@ -242,40 +289,30 @@ def _seconds(value: float) -> str:
     return f"{int(value // 3600)}h{int(value % 3600 // 60):02d}m"
 
 
-def inspect_renderable(store: Store, snaps: Sequence[KeySnapshot], now: float) -> RenderableType:
-    parts: list[RenderableType] = [Text(f"store {store.url}  namespace {store.namespace}", style="dim")]
-    for snap in snaps:
-        table = Table(
-            title=(
-                f"{snap.scope} · {snap.key}   slots {len(snap.holders)}/{snap.limit}   "
-                f"waiters {len(snap.waiters)}   token {snap.token}"
-            ),
-            title_justify="left",
-            expand=False,
+def _title(snap: KeySnapshot) -> str:
+    return (
+        f"{snap.scope} · {snap.key}   slots {len(snap.holders)}/{snap.limit}   "
+        f"waiters {len(snap.waiters)}   token {snap.token}"
+    )
+
+
+def _rows(snap: KeySnapshot, now: float) -> list[tuple[str, str, str, str, str, str]]:
+    """(position, run id, token, since, age, state) of the key's holders, then its waiters."""
+    rows = []
+    for h in snap.holders:
+        state = "executing" if h.executing else "waiting for retry"
+        if h.phantom:
+            state = "phantom: its data is lost, release it"
+        elif h.lease_expires_at <= now:
+            state += " (lease lapsed)"
+        since = _clock_time(h.admitted_at, now)
+        rows.append(
+            ("holder", h.run_id, str(h.token), since, f"lease {_seconds(now - h.heartbeat_at)}", state)
         )
-        table.add_column("#", justify="right")
-        table.add_column("run id", no_wrap=True)
-        table.add_column("token", justify="right")
-        table.add_column("since", no_wrap=True)
-        table.add_column("age", justify="right", no_wrap=True)
-        table.add_column("state")
-        for h in snap.holders:
-            state = "executing" if h.executing else "waiting for retry"
-            if h.phantom:
-                state = "phantom: its data is lost, release it"
-            elif h.lease_expires_at <= now:
-                state += " (lease lapsed)"
-            table.add_row(
-                "holder",
-                h.run_id,
-                str(h.token),
-                _clock_time(h.admitted_at, now),
-                f"lease {_seconds(now - h.heartbeat_at)}",
-                state,
-            )
-        for w in snap.waiters:
-            state = _waiter_state(w, now) + ("" if w.confirmed or w.phantom else ", unconfirmed")
-            table.add_row(
+    for w in snap.waiters:
+        state = _waiter_state(w, now) + ("" if w.confirmed or w.phantom else ", unconfirmed")
+        rows.append(
+            (
                 str(w.position),
                 w.run_id,
                 "",
@@ -283,7 +320,55 @@ def inspect_renderable(store: Store, snaps: Sequence[KeySnapshot], now: float) -
                 _seconds(now - w.created_at),
                 state,
             )
-        parts.append(table)
+        )
+    return rows
+
+
+def _key_table(snap: KeySnapshot, now: float, *, since: bool = True) -> Table:
+    """One key's holders and waiters as a table; columns are never cut to an ellipsis."""
+    table = Table(title=_title(snap), title_justify="left", box=None, padding=(0, 1), pad_edge=False)
+    table.add_column("#", justify="right", no_wrap=True, header_style="bold")
+    table.add_column("run id", no_wrap=True, header_style="bold")
+    table.add_column("token", justify="right", no_wrap=True, header_style="bold")
+    if since:
+        table.add_column("since", no_wrap=True, header_style="bold")
+    table.add_column("age", justify="right", no_wrap=True, header_style="bold")
+    table.add_column("state", min_width=9, header_style="bold")  # wraps between words
+    for position, run_id, token, since_at, age, state in _rows(snap, now):
+        table.add_row(position, run_id, token, *([since_at] if since else []), age, state)
+    return table
+
+
+def _key_lines(snap: KeySnapshot, now: float) -> RenderableType:
+    """One key for a terminal too narrow for its table: each run's id on a line of its own."""
+    lines: list[RenderableType] = [Text(_title(snap), style="italic")]
+    for position, run_id, token, _since, age, state in _rows(snap, now):
+        lines.append(Text(f"{position:>6} {run_id}"))
+        details = ([f"token {token}"] if token else []) + [age, state]
+        lines.append(Text("       " + " · ".join(details), style="dim"))
+    return Group(*lines)
+
+
+def _widths(renderable: RenderableType) -> Measurement:
+    """The narrowest width a renderable can take (its wrappable cells wrapped) and its natural one."""
+    console = Console(width=10_000)
+    return Measurement.get(console, console.options, renderable)
+
+
+def inspect_renderable(
+    store: Store, snaps: Sequence[KeySnapshot], now: float, width: int | None = None
+) -> RenderableType:
+    """The ``inspect`` view. Narrower than a key's table (``width``), the table drops its "since"
+    column (the age says as much) and wraps its states; narrower still, the key is listed one run
+    per line. Run ids are never cut."""
+    parts: list[RenderableType] = [Text(f"store {store.url}  namespace {store.namespace}", style="dim")]
+    for snap in snaps:
+        view: RenderableType = _key_table(snap, now)
+        if width is not None and _widths(view).maximum > width:
+            view = _key_table(snap, now, since=False)
+            if _widths(view).minimum + 2 > width:  # a margin: rich measures wrapped cells tightly
+                view = _key_lines(snap, now)
+        parts.append(view)
     holders = sum(len(s.holders) for s in snaps)
     waiters = sum(len(s.waiters) for s in snaps)
     parts.append(Text(f"{len(snaps)} keys, {holders} holders, {waiters} waiters"))
@@ -298,7 +383,7 @@ def cli() -> None:
     """Operate singleton-tasks: see keys, holders and waiters; free a stuck slot; migrate a store."""
 
 
-@cli.command()
+@cli.command(epilog=JSON_HELP)
 @store_options
 @click.option("--scope", default=None, help="Only keys of this scope (default: a task's name).")
 @click.option("--key", default=None, help="Only this key.")
@@ -306,17 +391,21 @@ def cli() -> None:
     "--json",
     "as_json",
     is_flag=True,
-    help="Print a JSON document (format 1, documented in singleton_tasks/cli.py and the README).",
+    help="Print a JSON document (format 1, described below).",
 )
 def inspect(store_url: str | None, namespace: str, scope: str | None, key: str | None, as_json: bool) -> None:
-    """Keys with their holders (token, lease age) and waiters in admission order."""
+    """Keys with their holders (token, lease age) and waiters in admission order.
+
+    The table fits the terminal: narrow, it drops the "since" column, then lists one run per line.
+    """
     with open_store(store_url, namespace) as store:
         snaps = _snapshots(store, scope=scope, key=key)
         now = store.time()  # ages and leases are the store's: its clock decides them
         if as_json:
             click.echo(json.dumps(inspect_document(store, snaps, now), indent=2))
         else:
-            Console(soft_wrap=False).print(inspect_renderable(store, snaps, now))
+            console = Console(soft_wrap=False)
+            console.print(inspect_renderable(store, snaps, now, width=console.width))
 
 
 # -- release ------------------------------------------------------------------------------------
@@ -624,8 +713,11 @@ def top(store_url: str | None, namespace: str, interval: float, once: bool) -> N
 @store_options
 @click.option("--check", is_flag=True, help="Only check: exit 1 when an upgrade is due, 0 when current.")
 def migrate(store_url: str | None, namespace: str, check: bool) -> None:
-    """Create or upgrade the store's schema (stop singleton starts and drain runs first)."""
-    with open_store(store_url, namespace) as store:
+    """Create or upgrade the store's schema (stop singleton starts and drain runs first).
+
+    With --check nothing is created or changed (not even a new SQLite file).
+    """
+    with open_store(store_url, namespace, create=not check) as store:
         found = store.schema_version()
         if found is not None and found > SCHEMA_VERSION:
             click.echo(
@@ -648,13 +740,20 @@ def migrate(store_url: str | None, namespace: str, check: bool) -> None:
 
 
 @cli.command()
-def demo() -> None:
+@click.option(
+    "--framework",
+    type=click.Choice(["dramatiq", "celery"]),
+    default=None,
+    help="Run it on this framework (default: Dramatiq if it is installed, else Celery).",
+)
+def demo(framework: str | None) -> None:
     """The sync-inventory story on the embedded SQLite store: no server needed (~3 s)."""
-    from rich.console import Console
+    from .demo import DemoUnavailable, run_demo
 
-    from .demo import run_demo
-
-    run_demo(Console())
+    try:
+        run_demo(Console(), framework=framework)
+    except DemoUnavailable as error:
+        raise StoreProblem(str(error)) from None
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -6,7 +6,9 @@ describer that recognises its framework's task objects.
 
 from __future__ import annotations
 
+import functools
 import inspect
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -49,17 +51,81 @@ def _load_adapters() -> None:
 
 
 def describe_function(task: object) -> TaskDescription | None:
-    """A plain function: the config is stored on it as ``__singleton__``."""
+    """A plain function: wrapped so that a framework decorator applied next can adopt it.
+
+    ``@singleton`` written under ``@dramatiq.actor`` / ``@app.task`` / ``@shared_task`` sees the
+    function first; the adapter finds the config (``__singleton__``) when the task is made and
+    marks it adopted. A call of a function nobody adopted warns: it runs without any gate.
+    """
     if not inspect.isfunction(task):
         return None
     function: Any = task
     name = f"{function.__module__}.{function.__qualname__}"
+    if getattr(function, ATTRIBUTE, None) is not None:
+        raise SingletonConfigError(f"{name} is declared @singleton twice; declare it once")
 
     def attach(bound: BoundSingleton) -> object:
-        setattr(function, ATTRIBUTE, bound)
-        return function
+        return _declared_function(function, bound)
 
     return TaskDescription(name, inspect.signature(function), attach)
+
+
+def _declared_function(function: Callable[..., Any], bound: BoundSingleton) -> Callable[..., Any]:
+    """``function`` as it is, plus its config and a warning when it is called without being adopted."""
+    state = _Adoption(bound)
+    wrapper: Any
+    if inspect.iscoroutinefunction(function):
+
+        async def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if not state.adopted:
+                state.warn()
+            return await function(*args, **kwargs)
+
+    else:
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if not state.adopted:
+                state.warn()
+            return function(*args, **kwargs)
+
+    functools.update_wrapper(wrapper, function)
+    # inspect.getfullargspec (Celery's argument check) ignores __wrapped__ but honours __signature__.
+    wrapper.__signature__ = inspect.signature(function)
+    setattr(wrapper, ATTRIBUTE, bound)
+    wrapper.__singleton_adoption__ = state
+    return wrapper  # type: ignore[no-any-return]
+
+
+class _Adoption:
+    """Whether an adapter made the function's task a singleton; warns once if it is run otherwise."""
+
+    def __init__(self, bound: BoundSingleton) -> None:
+        self.bound = bound
+        self.adopted = False
+        self._warned = False
+
+    def warn(self) -> None:
+        if self._warned:
+            return
+        self._warned = True
+        warnings.warn(
+            f"{self.bound.task_name} is declared @singleton but no task was made a singleton from it, "
+            "so this call runs without the gate. Put @singleton above or below @dramatiq.actor "
+            "(with SingletonMiddleware on the broker before the actor is declared), @app.task or "
+            "@shared_task (the app finalized, or singleton_tasks.celery.install(app) called first).",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def adopt(function: object) -> BoundSingleton | None:
+    """The config ``@singleton`` put on ``function`` (a task's body), now adopted; None if it has none."""
+    function = getattr(function, "__func__", function)  # a bound method (Celery's bind=True)
+    state = getattr(function, "__singleton_adoption__", None)
+    if not isinstance(state, _Adoption):
+        return None
+    state.adopted = True
+    return state.bound
 
 
 def describe(task: object) -> TaskDescription:
@@ -84,7 +150,12 @@ def singleton(
 ) -> Callable[[T], T]:
     """Make the decorated task a durable FIFO mutex per key; validated at declaration.
 
-    The options are checked when the decorator is applied, so an error names the task.
+    The options are checked when the decorator is applied, so an error names the task. Write it
+    above or below ``@dramatiq.actor`` / ``@app.task`` / ``@shared_task``: below, it marks the
+    function and the adapter makes the task a singleton when the framework creates it (Dramatiq:
+    ``SingletonMiddleware`` must be on the broker by then; Celery: when the app is finalized, or
+    at once after ``singleton_tasks.celery.install(app)``). On a function that never becomes a
+    task it changes nothing but a warning when the function is called.
     """
     options = {
         "key": key,

@@ -25,14 +25,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-import dramatiq
+from ._extras import missing
+
+try:
+    import dramatiq
+except ImportError as error:
+    raise missing("singleton_tasks.dramatiq", "Dramatiq", "dramatiq", error) from error
 from dramatiq.middleware import MiddlewareError, SkipMessage
 from dramatiq.worker import ConsumerThread
 
 from . import admission, clock
 from . import errors as core
 from .config import BoundSingleton, SingletonConfig
-from .decorator import TaskDescription, register_describer
+from .decorator import TaskDescription, adopt, register_describer
 from .outcomes import Decision, Registered, RunSpec, Wake
 from .runtime import Gatekeeper
 from .stores import Store, redact_url
@@ -73,11 +78,11 @@ class StoreUnavailable(core.StoreUnavailableError, MiddlewareError):
 
 
 class ConfigError(core.SingletonConfigError, MiddlewareError):
-    """A malformed ``singleton`` actor option, raised when the actor is declared."""
+    """A malformed ``singleton`` option or store URL: raised at declaration, ``.send()`` or worker boot."""
 
 
 class SchemaError(core.SchemaVersionError, MiddlewareError):
-    """The store's schema is missing or incompatible: the worker refuses to start."""
+    """The store's schema is missing or incompatible: the worker refuses to start, ``.send()`` raises."""
 
 
 class DeferralFailed(MiddlewareError):
@@ -106,6 +111,10 @@ class SingletonMiddleware(dramatiq.Middleware):
 
     Parameters:
       store: a store URL or object; default ``SINGLETON_TASKS_STORE``, then the embedded SQLite file.
+        The URL's scheme and syntax are checked here (``SingletonConfigError``), without
+        connecting: the store is opened at first use, and a store that cannot be used then
+        makes ``.send()`` raise within its connect timeout (Redis ``socket_connect_timeout``,
+        PostgreSQL ``timeout``: 5 s by default), with nothing published.
       namespace: isolates applications sharing one store server.
       retry_delay, retry_jitter: seconds until a denied delivery is re-checked (the fallback of the
         wake on release), ± jitter.
@@ -156,12 +165,21 @@ class SingletonMiddleware(dramatiq.Middleware):
 
     # -- declaration -----------------------------------------------------------------------
     def before_declare_actor(self, broker: Broker, actor: dramatiq.Actor[Any, Any]) -> None:
-        """Validate the ``singleton`` option now, not at the first run (SPEC §2)."""
-        if actor.options.get(OPTION) is not None:
-            try:
+        """Validate the ``singleton`` option now, not at the first run (SPEC §2).
+
+        An actor whose function ``@singleton`` marked (written under ``@dramatiq.actor``) gets
+        its option here.
+        """
+        try:
+            _adopt(actor)
+            if actor.options.get(OPTION) is not None:
                 _bind(actor)
-            except core.SingletonConfigError as error:
-                raise ConfigError(str(error)) from error
+        except core.SingletonConfigError as error:
+            raise ConfigError(str(error)) from error
+
+    def after_declare_actor(self, broker: Broker, actor: dramatiq.Actor[Any, Any]) -> None:
+        """Adopt a marked actor declared before this middleware was added to its broker."""
+        self.before_declare_actor(broker, actor)
 
     # -- worker lifecycle ------------------------------------------------------------------
     def before_worker_boot(self, broker: Broker, worker: Worker) -> None:
@@ -174,6 +192,11 @@ class SingletonMiddleware(dramatiq.Middleware):
             raise SchemaError(str(error)) from error
         except core.StoreUnavailableError as error:
             logger.warning("singleton store unavailable at worker start (%s); gating fails closed", error)
+        except core.SingletonError as error:
+            # A MiddlewareError leaves Worker.start(): the worker process exits instead of
+            # deferring every singleton message forever.
+            logger.critical("singleton-tasks: the worker cannot start: %s", error)
+            raise _for_sender(error) from error
 
     def after_worker_thread_boot(self, broker: Broker, thread: WorkerThread) -> None:
         """Open this thread's broker connection now: a first wake must not wait for a connect."""
@@ -205,16 +228,23 @@ class SingletonMiddleware(dramatiq.Middleware):
             spec = replace(spec, max_queue_depth=None)
         try:
             outcome = self.gatekeeper.register(bound, spec, confirmed=False, full_error=QueueFull)
-        except core.StoreUnavailableError as error:
+        except QueueFull:
+            raise
+        except core.SingletonError as error:
+            # Emit_before swallows anything that is not a MiddlewareError and publishes anyway:
+            # every store problem (a bad URL, an unreachable server, a missing schema) is raised
+            # to the caller of .send() as one, and nothing is published.
             if lenient:
                 logger.warning("%s run %s: %s; registered at delivery", bound.task_name, spec.run_id, error)
                 return
-            # The registration may have been written before the reply was lost (a timeout): undo
-            # it now rather than leave a ghost until its grace lapses and the key is touched again.
-            self._or_later(
-                lambda: self.gatekeeper.unregister(spec), f"undoing the registration of run {spec.run_id}"
-            )
-            raise StoreUnavailable(str(error)) from error
+            # A store that could not even be opened (not ready) has written nothing.
+            if self.gatekeeper.ready and isinstance(error, core.StoreUnavailableError):
+                # The registration may have been written before the reply was lost (a timeout): undo
+                # it now rather than leave a ghost until its grace lapses and the key is touched again.
+                self._or_later(
+                    lambda: self.gatekeeper.unregister(spec), f"undoing the registration of run {spec.run_id}"
+                )
+            raise _for_sender(error) from error
         if outcome.status is Registered.EXISTS:
             # A start of a run id that is already in line (SPEC §7): this copy is dropped at the gate.
             logger.info("%s run %s already registered: duplicate start dropped", bound.task_name, spec.run_id)
@@ -491,6 +521,22 @@ def _open_publishing_connection(broker: Broker) -> None:
         logger.warning("could not connect this worker thread to RabbitMQ ahead of use: %s", error)
 
 
+def _for_sender(error: core.SingletonError) -> MiddlewareError:
+    """The same error as a MiddlewareError, the only kind Dramatiq lets reach ``.send()``."""
+    if isinstance(error, MiddlewareError):
+        return error
+    kinds: tuple[tuple[type[core.SingletonError], type[MiddlewareError]], ...] = (
+        (core.StoreUnavailableError, StoreUnavailable),
+        (core.SchemaVersionError, SchemaError),
+        (core.SingletonKeyError, SingletonKeyError),
+        (core.SingletonConfigError, ConfigError),
+    )
+    for core_kind, kind in kinds:
+        if isinstance(error, core_kind):
+            return kind(str(error))
+    return StoreUnavailable(str(error))
+
+
 def _generation(message: MessageProxy) -> int:
     value = message.options.get(GENERATION, 0)
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
@@ -529,6 +575,24 @@ def _bind(actor: dramatiq.Actor[Any, Any]) -> BoundSingleton | None:
     return bound
 
 
+def _adopt(actor: dramatiq.Actor[Any, Any]) -> None:
+    """Give an actor whose function ``@singleton`` marked its ``singleton`` option (once)."""
+    declared = adopt(actor.fn)
+    if declared is None:
+        return
+    current = actor.options.get(OPTION)
+    if isinstance(current, BoundSingleton) and current.config is declared.config:
+        return  # adopted already
+    if current is not None:
+        raise core.SingletonConfigError(
+            f"{actor.actor_name} is declared a singleton twice (@singleton and singleton=...); "
+            "declare it once"
+        )
+    actor.options[OPTION] = BoundSingleton.bind(
+        declared.config, task_name=actor.actor_name, signature=_signature(actor)
+    )
+
+
 def _bound_for(broker: Broker, actor_name: str) -> BoundSingleton | None:
     actor = broker.actors.get(actor_name)
     if actor is None:
@@ -548,6 +612,11 @@ def _describe_actor(task: object) -> TaskDescription | None:
     actor: dramatiq.Actor[Any, Any] = task  # type: ignore[assignment]
 
     def attach(bound: BoundSingleton) -> object:
+        if actor.options.get(OPTION) is not None:
+            raise core.SingletonConfigError(
+                f"{actor.actor_name} is declared a singleton twice (@singleton and singleton=...); "
+                "declare it once"
+            )
         actor.options[OPTION] = bound
         _require_middleware(actor)
         return actor

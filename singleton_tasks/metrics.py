@@ -39,6 +39,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any
 
+from ._extras import missing
 from .outcomes import ClaimOutcome, Decision, ReleaseOutcome
 
 if TYPE_CHECKING:
@@ -48,10 +49,18 @@ WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300
 HANDOFF_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
+def _require_prometheus() -> None:
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError as error:
+        raise missing("singleton_tasks.metrics", "prometheus_client", "metrics", error) from error
+
+
 class SingletonMetrics:
     """The counters and histograms, registered in one registry."""
 
     def __init__(self, registry: CollectorRegistry | None = None, *, prefix: str = "singleton_tasks") -> None:
+        _require_prometheus()
         from prometheus_client import REGISTRY, Counter, Histogram
 
         reg = REGISTRY if registry is None else registry
@@ -103,9 +112,11 @@ def install(
 ) -> SingletonMetrics:
     """Create (once per registry) the metrics in ``registry`` and send the hooks' events there.
 
-    Raises ImportError when ``prometheus_client`` is missing (``pip install 'singleton-tasks[metrics]'``).
+    Raises ImportError (naming the extra) when ``prometheus_client`` is missing
+    (``pip install 'singleton-tasks[metrics]'``).
     """
     global _active, _disabled
+    _require_prometheus()
     from prometheus_client import REGISTRY
 
     reg = REGISTRY if registry is None else registry

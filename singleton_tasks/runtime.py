@@ -44,7 +44,7 @@ from .outcomes import (
     RunSpec,
     Wake,
 )
-from .stores import Store, store_from_url
+from .stores import Store, check_store_url, store_from_url
 
 logger = logging.getLogger("singleton_tasks")
 
@@ -80,6 +80,24 @@ def resolve_store_url(store: str | None) -> str:
 CLOCK_SKEW_WARNING = 1.0
 #: How often (seconds) a worker's background thread sweeps the store's expired state.
 SWEEP_INTERVAL = 300.0
+
+
+def check_store_argument(store: object) -> None:
+    """Check an adapter's ``store`` argument at construction, without connecting (SPEC §8).
+
+    A URL's scheme, syntax and driver are checked; without a store, the URL in
+    ``SINGLETON_TASKS_STORE`` if it is set. Anything else is a :class:`SingletonConfigError`.
+    """
+    if isinstance(store, Store):
+        return
+    if store is None:
+        from_env = os.environ.get(STORE_ENV)
+        if from_env:
+            check_store_url(from_env)
+        return
+    if not isinstance(store, str):
+        raise SingletonConfigError(f"store must be a store URL or a Store, got {type(store).__name__}")
+    check_store_url(store)
 
 
 @dataclass(frozen=True)
@@ -120,32 +138,64 @@ class Gatekeeper:
     def __init__(
         self, store: Store | str | None = None, *, namespace: str = "default", **options: Any
     ) -> None:
+        check_store_argument(store)
         self.options = WorkerOptions(**options)
         self._store_arg = store
         self._namespace = namespace
         self._store: Store | None = store if isinstance(store, Store) else None
+        # The store answered its schema check in this process: from then on an operation that
+        # fails may have been written (and is undone); before, nothing can have been.
+        self._ready = False
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._heartbeater: _Heartbeater | None = None
         self._spec_cache: dict[BoundSingleton, RunSpec] = {}
 
     # -- the store, one per process --------------------------------------------------------
-    @property
-    def store(self) -> Store:
+    def _after_fork(self) -> None:
         if self._pid != os.getpid():
             # Forked (prefork pool): the parent's threads did not come along, and its lock may have
             # been held at the fork. A store given as an instance is kept; a URL gets fresh clients.
             self._heartbeater, self._lock, self._pid = None, threading.Lock(), os.getpid()
             if not isinstance(self._store_arg, Store):
-                self._store = None
-        if self._store is None:
+                self._store, self._ready = None, False
+
+    @property
+    def store(self) -> Store:
+        """This process's store, opened and its schema checked at first use.
+
+        A store that cannot be opened (a bad URL, a missing driver, an unreachable server, a
+        missing schema) raises at every use until it can, within the store's connect timeout;
+        a failed open leaves no client or pool behind.
+        """
+        if self._pid != os.getpid():
+            self._after_fork()
+        store = self._store
+        if store is None or not self._ready:
             with self._lock:
-                if self._store is None:
-                    url = resolve_store_url(self._store_arg if isinstance(self._store_arg, str) else None)
-                    store = store_from_url(url, namespace=self._namespace)
-                    self._ensure_schema(store)
-                    self._store = store
-        return self._store
+                store = self._open()
+        return store
+
+    @property
+    def ready(self) -> bool:
+        """Whether the store has answered in this process (an operation may have reached it)."""
+        return self._ready and self._pid == os.getpid()
+
+    def _open(self) -> Store:
+        # Called with the lock held.
+        store = self._store
+        if store is None:
+            url = resolve_store_url(self._store_arg if isinstance(self._store_arg, str) else None)
+            store = store_from_url(url, namespace=self._namespace)
+        if not self._ready:
+            try:
+                self._ensure_schema(store)
+            except BaseException:
+                if store is not self._store_arg:
+                    store.close()  # no pool left retrying in the background
+                raise
+            self._store, self._ready = store, True
+        return store
 
     @staticmethod
     def _ensure_schema(store: Store) -> None:
@@ -159,10 +209,12 @@ class Gatekeeper:
         store.check_schema()
 
     def check(self, singletons: Iterable[BoundSingleton] = ()) -> None:
-        """Worker start: fail against a missing or incompatible schema (SPEC §8); warn about the
-        clocks and a retention shorter than a task's lease and orphan timeout can bear."""
-        store = self.store
-        self._ensure_schema(store)
+        """Worker start: fail against a bad store URL, a missing or incompatible schema (SPEC §8);
+        warn about the clocks and a retention shorter than a task's lease and orphan timeout."""
+        was_ready = self.ready
+        store = self.store  # opening checks the schema
+        if was_ready:
+            self._ensure_schema(store)
         compare_clocks(store.time(), store)
         for bound in singletons:
             spec = self.spec_options(bound)
@@ -281,7 +333,9 @@ class Gatekeeper:
             self.heartbeats.track(
                 HolderRef(spec.scope, spec.key, spec.run_id, outcome.token or 0), spec.lease
             )
-        if outcome.decision is Decision.STALE and issued_before(generation, clock.now() - self.store.retention):
+        if outcome.decision is Decision.STALE and issued_before(
+            generation, clock.now() - self.store.retention
+        ):
             logger.warning(
                 "%s run %s: a copy issued more than the store's retention (%gs) ago was dropped as stale; "
                 "to re-drive a dead letter that old, remove its singleton_gen or send the run anew",
@@ -351,7 +405,7 @@ class Gatekeeper:
     # -- heartbeats ------------------------------------------------------------------------
     @property
     def heartbeats(self) -> _Heartbeater:
-        _ = self.store  # resets the heartbeater after a fork
+        self._after_fork()  # resets the heartbeater after a fork (never opens the store)
         if self._heartbeater is None:
             with self._lock:
                 if self._heartbeater is None:
@@ -373,6 +427,7 @@ class Gatekeeper:
         if self._store is not None and not isinstance(self._store_arg, Store):
             self._store.close()
             self._store = None
+        self._ready = False
 
 
 def compare_clocks(store_time: float, store: Store) -> float:

@@ -148,6 +148,44 @@ def test_inspect_table_lists_every_run(seeded: Seeded) -> None:
     assert result.stdout.index(seeded.a1) < result.stdout.index(seeded.a2)  # admission order
 
 
+@pytest.mark.parametrize("backend", ["sqlite"])
+def test_inspect_table_stays_readable_at_80_columns(store_factory: StoreFactory, tmp_path: Path) -> None:
+    store = store_factory(clock=ManualClock())
+    scope = "shop.tasks.sync_inventory_for_every_store"
+    ids = [str(uuid.uuid4()) for _ in range(4)]  # run ids as Dramatiq and Celery make them
+    now = clock.now()
+    runs = [
+        RunSpec(scope=scope, key="store:A", run_id=i, limit=2, lease=60.0, orphan_timeout=600.0) for i in ids
+    ]
+    for run in runs:
+        at(store, now - 30).register(run)
+    for run in runs[:2]:
+        assert at(store, now - 20).claim(run, 0, None).decision is Decision.ADMITTED
+    token = at(store, now).snapshot(scope=scope)[0].holders[1].token
+    assert at(store, now - 10).suspend(scope, "store:A", ids[1], token, delay=5.0)
+    assert at(store, now - 5).claim(runs[2], 0, b"payload").decision is Decision.GATED
+    url = f"sqlite:///{tmp_path / 'singleton.db'}"
+    result = CliRunner().invoke(
+        cli, ["inspect", "--store", url, "--namespace", store.namespace], env={"COLUMNS": "80"}
+    )
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80, result.stdout
+    assert "…" not in result.stdout, result.stdout  # no column cut to an ellipsis
+    for run_id in ids:
+        assert any(run_id in line for line in lines), result.stdout  # whole, on one line
+    words = result.stdout.split()
+    for word in ("token", "executing", "waiting", "retry", "gated", "pending"):
+        assert word in words, result.stdout
+
+
+def test_inspect_help_documents_the_json_format() -> None:
+    result = CliRunner().invoke(cli, ["inspect", "--help"], env=WIDE)
+    assert result.exit_code == 0
+    for field in ('"format": 1', '"lease_age"', '"lease_expired"', '"waiting"', '"confirmed"', '"totals"'):
+        assert field in result.output, result.output
+
+
 # -- release ---------------------------------------------------------------------------------------
 
 
@@ -258,6 +296,22 @@ def test_migrate_check_exit_codes_on_a_fresh_sqlite_file(tmp_path: Path) -> None
         assert store.schema_version() == SCHEMA_VERSION
     finally:
         store.close()
+
+
+def test_read_only_commands_never_create_a_store(tmp_path: Path) -> None:
+    path = tmp_path / "never.db"
+    url = f"sqlite:///{path}"
+    check = invoke(["migrate", "--check", "--store", url])
+    assert check.exit_code == 1 and "upgrade due" in check.output, check.output
+    shown = invoke(["inspect", "--store", url])
+    assert shown.exit_code == 0 and "0 keys, 0 holders, 0 waiters" in shown.output, shown.output
+    document = json.loads(invoke(["inspect", "--json", "--store", url]).stdout)
+    assert document["schema_version"] is None and document["keys"] == []
+    assert invoke(["top", "--once", "--store", url]).exit_code == 0
+    assert invoke(["release", "some-run", "--yes", "--store", url]).exit_code == 1
+    assert list(tmp_path.iterdir()) == []  # no database file, no WAL, no journal
+    assert invoke(["migrate", "--store", url]).exit_code == 0  # migrate itself creates it
+    assert path.exists()
 
 
 def test_migrate_check_and_inspect_on_a_mismatched_schema() -> None:

@@ -110,7 +110,7 @@ def test_readme_is_a_users_page() -> None:
     relative = [target for _image, target in found if not re.match(r"https?://", target)]
     assert not relative, f"relative links break on PyPI: {relative}"
     # The project's two commands.
-    assert re.search(r'^pip install -e "\.\[all\]" && singleton-tasks demo', text, re.M)
+    assert re.search(r'^pip install -e "\.\[all\]" tox && singleton-tasks demo', text, re.M)
     assert re.search(r"^tox\s", text, re.M), "the README shows the test command"
 
 

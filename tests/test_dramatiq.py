@@ -723,7 +723,11 @@ def test_a_wake_goes_ahead_of_a_queued_backlog_on_rabbitmq_priority_queues() -> 
     singleton_middleware = SingletonMiddleware(
         store=f"memory://{uuid.uuid4().hex}", retry_delay=60.0, retry_jitter=0.0
     )
-    broker = RabbitmqBroker(url=RABBITMQ_URL, max_priority=5, middleware=[Observer(), singleton_middleware])
+    # confirm_delivery: the wake is queued before the ack that frees the prefetch slot is sent
+    # (they travel on different connections; without confirms the slot may go to P0 first).
+    broker = RabbitmqBroker(
+        url=RABBITMQ_URL, max_priority=5, confirm_delivery=True, middleware=[Observer(), singleton_middleware]
+    )
     queue = f"wake-first-{uuid.uuid4().hex[:8]}"
 
     def body(label: str) -> None:

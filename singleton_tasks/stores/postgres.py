@@ -8,6 +8,7 @@ for different keys never wait on each other. The schema is created and upgraded 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
 from collections.abc import Iterator
@@ -64,10 +65,15 @@ class PostgresStore(SQLStore):
         if not isinstance(timeout, (int, float)) or timeout <= 0:
             raise SingletonConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
         try:
-            psycopg.conninfo.conninfo_to_dict(url)
+            params = psycopg.conninfo.conninfo_to_dict(url)
         except psycopg.Error as error:
             raise SingletonConfigError(f"malformed PostgreSQL store URL {self.url}: {error}") from None
         self._conninfo = url  # never shown: self.url is the redacted one
+        # Each connection attempt gives up within `timeout` too (libpq waits for the OS otherwise:
+        # minutes for a host that drops packets), unless the URL sets its own connect_timeout.
+        self._connect_kwargs: dict[str, Any] = (
+            {} if "connect_timeout" in params else {"connect_timeout": max(1, math.ceil(timeout))}
+        )
         self.min_size, self.max_size, self.timeout = min_size, max_size, float(timeout)
         self._lock = threading.Lock()
         self._pool: ConnectionPool[Any] | None = None
@@ -97,6 +103,7 @@ class PostgresStore(SQLStore):
             if self._pool is None:
                 pool: ConnectionPool[Any] = ConnectionPool(
                     self._conninfo,
+                    kwargs=self._connect_kwargs,
                     min_size=self.min_size,
                     max_size=self.max_size,
                     timeout=self.timeout,
