@@ -15,6 +15,7 @@ import venv
 from pathlib import Path
 
 import pytest
+
 from singleton_tasks.stores import SCHEMA_VERSION
 
 ROOT = Path(__file__).resolve().parent.parent
