@@ -77,7 +77,12 @@ def mutex_process(
             with counter.get_lock():
                 counter.value += 1
                 peak.value = max(peak.value, counter.value)
-            time.sleep(rng.uniform(0.005, 0.015))  # the body
+            # The body lasts until the key is full (or 0.2 s): on a loaded host a slow store
+            # would otherwise hand off so late that the holders never overlap at all.
+            full_by = time.monotonic() + 0.2
+            while counter.value < limit and time.monotonic() < full_by:
+                time.sleep(0.002)
+            time.sleep(rng.uniform(0.005, 0.015))
             with counter.get_lock():
                 counter.value -= 1
             release = store.release(SCOPE, key, spec.run_id, token=outcome.token)
