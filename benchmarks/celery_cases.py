@@ -161,7 +161,7 @@ def _celery(report: Report, size: Size, runs: int, kind: str) -> None:
         spans = _measure(kind, singleton, n, key=None, body=0.0, cap=300, acks_late=acks_late, floor=floor)
         return (n - 1) / (spans[-1].end - spans[0].start)
 
-    # SingletonTask acks late (SPEC §6); plain Celery acks early by default. The acks_late
+    # SingletonTask acks late (docs/concepts.md#leases); plain Celery acks early by default. The acks_late
     # baseline shows what that guarantee alone costs; the target is against the default.
     results = alternate(
         runs,

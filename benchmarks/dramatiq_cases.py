@@ -744,7 +744,7 @@ def case_round_trips(report: Report, size: Size) -> None:
             [p_per_run],
             higher_is_better=False,
             key="rt.producer",
-            note="register + confirm at .send() (SPEC §3.1)",
+            note="register + confirm at .send() (docs/concepts.md#the-life-of-a-run)",
         )
     )
     report.target(

@@ -1,4 +1,4 @@
-"""The invariant checker: SPEC §3–§6 over one logged scenario run.
+"""The invariant checker: docs/concepts.md#the-life-of-a-run over one logged scenario run.
 
 1. never more than ``limit`` bodies of a key overlap;
 2. every accepted enqueue ran to completion at least once (none lost; runs the runner purged on
@@ -51,7 +51,7 @@ ADMISSION_SLACK = 1.0
 #: reply may wait in the socket for a long time (kombu pauses a popped reply while the worker's
 #: prefetch is full), so there is no time window, only this cap. See :func:`lost_to_broker`.
 BROKER_LOSS_PER_KILL = 1
-#: Events after which a waiter may legitimately be passed over (SPEC §6).
+#: Events after which a waiter may legitimately be passed over (docs/concepts.md#leases).
 DISRUPTIONS = frozenset({"kill", "term", "store_down", "purge"})
 
 
@@ -362,8 +362,8 @@ def lost_to_broker(
     recorded it). Each kill accounts for at most ``per_kill`` runs (:data:`BROKER_LOSS_PER_KILL`):
     runs are matched to kills, the latest-published first (they can use the fewest kills); a run no
     kill is left for is reported in ``over_cap`` and stays lost. Such a run stays pending in the store
-    (a lost first message) or is evicted after ``orphan_timeout`` (a lost later copy), as SPEC §6
-    says.
+    (a lost first message) or is evicted after ``orphan_timeout`` (a lost later copy), as
+    docs/concepts.md#leases says.
     """
     kills = sorted(e.at for e in data.events if e.kind == "kill")
     since = {r: t for r in unfinished if (t := in_transit_since(data, r)) is not None}
@@ -458,7 +458,7 @@ def check(data: RunData, snapshots: Iterable[KeySnapshot], *, now: float | None 
         left = [h.run_id for h in snap.holders] + [w.run_id for w in snap.waiters]
         if left and all(r in excused for r in left):
             # Only runs the broker lost are left: passed over in the line, or a holder whose retry
-            # was lost, evicted at the key's next operation (SPEC §6).
+            # was lost, evicted at the key's next operation (docs/concepts.md#leases).
             continue
         if snap.holders or snap.waiters:
             holders = [h.run_id[:8] for h in snap.holders]

@@ -1,4 +1,4 @@
-"""What the running body can learn about its own admission (SPEC §3.2)."""
+"""What the running body can learn about its own admission (docs/concepts.md#the-life-of-a-run)."""
 
 from __future__ import annotations
 

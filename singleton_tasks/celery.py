@@ -1,4 +1,4 @@
-"""Celery adapter: :class:`SingletonTask` and :func:`install` (SPEC §2–§7).
+"""Celery adapter: :class:`SingletonTask` and :func:`install` (docs/concepts.md).
 
 Only what is Celery-specific lives here; the rules are the store's (``gate.py``) and the
 shared worker logic is :class:`singleton_tasks.runtime.Gatekeeper`'s.
@@ -63,7 +63,7 @@ _gatekeeper_lock = threading.Lock()
 _json: Any = _kombu_json  # kombu is untyped; its JSON carries datetimes, UUIDs, Decimals
 
 # Set while the library re-publishes a run it handles (a deferral, a wake): those publishes
-# skip registration and the dedupe of SPEC §7.
+# skip registration and the dedupe of docs/concepts.md#keys-vs-run-ids.
 _republishing: contextvars.ContextVar[bool] = contextvars.ContextVar("singleton_republishing", default=False)
 
 
@@ -87,7 +87,7 @@ def install(
     heartbeat_interval: float | None = None,
     max_retry_delay: float = 10.0,
 ) -> None:
-    """Give ``app``'s singleton tasks a store and worker timings (SPEC §2).
+    """Give ``app``'s singleton tasks a store and worker timings (docs/concepts.md#declaring-a-singleton).
 
     ``store`` is a URL or a :class:`~singleton_tasks.Store`; without it ``app.conf.singleton_store``,
     then ``SINGLETON_TASKS_STORE``, then the embedded SQLite default (with a warning). A URL's
@@ -123,7 +123,10 @@ def install(
 
 
 class _SchemaCheck(bootsteps.StartStopStep):  # type: ignore[misc]
-    """Worker start: refuse a missing or incompatible store schema (SPEC §8), before consuming."""
+    """Worker start: refuse a missing or incompatible store schema, before consuming.
+
+    See docs/deployment.md#schema-upgrades.
+    """
 
     label = "singleton-tasks schema check"
 
@@ -181,7 +184,7 @@ class SingletonTask(Task):  # type: ignore[misc]
 
     #: The declaration: a dict of :class:`SingletonConfig` fields or a ``SingletonConfig``.
     singleton: Any = None
-    # SPEC §6: a crashed worker's message comes back and reclaims its slot.
+    # docs/concepts.md#takeover: a crashed worker's message comes back and reclaims its slot.
     acks_late = True
     reject_on_worker_lost = True
 
@@ -228,7 +231,10 @@ class SingletonTask(Task):  # type: ignore[misc]
         return bound
 
     def _is_own_republish(self, task_id: str, options: Mapping[str, Any]) -> bool:
-        """A retry of the run being executed (SPEC §7: the framework's own publish passes through)."""
+        """A retry of the run being executed: the framework's own publish passes through.
+
+        See docs/concepts.md#keys-vs-run-ids.
+        """
         request = self.request
         if not request.called_directly and request.id == task_id:
             return True
@@ -241,7 +247,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         current = get_current_worker_task()
         return bool(parent) and current is not None and current.request.id == parent
 
-    # -- enqueue (SPEC §3.1, §5, §7) -------------------------------------------------------
+    # -- enqueue (docs/concepts.md#the-life-of-a-run) -------------------------------------------------------
     def apply_async(
         self,
         args: Any = None,
@@ -287,9 +293,10 @@ class SingletonTask(Task):  # type: ignore[misc]
                 _undo_registration(gatekeeper, spec, self.name)
                 raise
             logger.warning("store unavailable: publishing %s run %s unregistered", self.name, run_id)
-            return publish(run_id)  # registered at first delivery (SPEC §4)
+            # Registered at first delivery: docs/concepts.md#what-other-deliveries-see.
+            return publish(run_id)
         if outcome.status is Registered.EXISTS:
-            logger.info("%s run %s is already registered: not published again (SPEC §7)", self.name, run_id)
+            logger.info("%s run %s is already registered: not published again", self.name, run_id)
             return self.AsyncResult(run_id)
         # A run with `limit` others of its key ahead can only wait: publish it held back, as its
         # deferral would be, so no worker claims and defers it first (the line ahead of a wake).
@@ -326,7 +333,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             )
         return result
 
-    # -- gate (SPEC §3.2–§3.3, §4) ---------------------------------------------------------
+    # -- gate (docs/concepts.md#the-life-of-a-run) ---------------------------------------------------------
     def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
         super().before_start(task_id, args, kwargs)
         bound = self._singleton_binding()
@@ -386,7 +393,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         raise _Deferred(f"deferred {delay:.2f}s (generation {generation})")
 
 
-# -- settlement (SPEC §3.4–§3.6) -----------------------------------------------------------
+# -- settlement (docs/concepts.md#the-life-of-a-run) ------------------------------------------------
 def _on_postrun(
     sender: Any = None, task_id: str | None = None, retval: Any = None, state: str | None = None, **_: Any
 ) -> None:
@@ -672,7 +679,7 @@ def _encoded_payload(task: SingletonTask, run_id: str, signature: Callable[[], S
 
 
 def _publish_wakes(app: Celery, wakes: Iterable[Wake]) -> None:
-    """Publish woken waiters at once (SPEC §3.6); a failure leaves them to their retry timer."""
+    """Publish woken waiters at once; a failure leaves them to their retry timer (docs/concepts.md)."""
     for wake in wakes:
         if wake.payload is None:
             continue
@@ -709,7 +716,7 @@ def _warn_on_unsafe_acks(name: str, attributes: Mapping[str, Any]) -> None:
     for option in ("acks_late", "reject_on_worker_lost"):
         if attributes.get(option) is False:
             warnings.warn(
-                f"singleton task {name} sets {option}=False: a worker crash can now lose the run (SPEC §6)",
+                f"singleton task {name} sets {option}=False: a worker crash can now lose the run (https://github.com/singleton-tasks/singleton-tasks/blob/main/docs/concepts.md#takeover)",
                 stacklevel=4,
             )
 
@@ -730,7 +737,7 @@ def _drop_first(signature: inspect.Signature) -> inspect.Signature:
     return signature.replace(parameters=list(signature.parameters.values())[1:])
 
 
-# -- @singleton on an existing task (SPEC §2) ----------------------------------------------
+# -- @singleton on an existing task (docs/concepts.md#declaring-a-singleton) ------------------------
 def _upgrade(task: Any, bound: BoundSingleton, explicit: Mapping[str, Any] | None = None) -> None:
     """Give ``task`` a class that includes SingletonTask (the tracer looks hooks up on the class)."""
     cls = type(task)
@@ -746,7 +753,8 @@ def _upgrade(task: Any, bound: BoundSingleton, explicit: Mapping[str, Any] | Non
     }
     for option in ("acks_late", "reject_on_worker_lost"):
         chosen = explicit[option] if explicit is not None and option in explicit else _declared(cls, option)
-        namespace[option] = True if chosen is None else bool(chosen)  # SPEC §6, as base=SingletonTask
+        # As base=SingletonTask does: docs/concepts.md#takeover.
+        namespace[option] = True if chosen is None else bool(chosen)
     _warn_on_unsafe_acks(task.name, namespace)
     bases = (cls,) if issubclass(cls, SingletonTask) else (SingletonTask, cls)
     task.__class__ = type(cls.__name__, bases, namespace)

@@ -1,4 +1,7 @@
-"""The library's one clock: every store operation is handed ``now()`` (SPEC §8)."""
+"""The worker host's clock, for what the broker needs (deferral ETAs, wake times) and metrics.
+
+Every decision of the gate is taken on the store's clock instead (docs/deployment.md#clocks-and-skew).
+"""
 
 from __future__ import annotations
 

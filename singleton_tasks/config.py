@@ -1,4 +1,7 @@
-"""Declaring a singleton: the configuration, its validation and key derivation (SPEC §2)."""
+"""Declaring a singleton: the configuration, its validation and key derivation.
+
+See docs/concepts.md#declaring-a-singleton.
+"""
 
 from __future__ import annotations
 
@@ -97,7 +100,7 @@ class SingletonConfig:
 
 
 class _Disabled(float):
-    """Marker for ``orphan_timeout=DISABLED``: never evict (SPEC §6 ``orphan_timeout=None``)."""
+    """Marker for ``orphan_timeout=DISABLED``: never evict (docs/concepts.md#eviction)."""
 
     def __repr__(self) -> str:
         return "DISABLED"

@@ -1,4 +1,6 @@
-"""``@singleton(...)``: declare a task a singleton, whatever framework made it (SPEC §2).
+"""``@singleton(...)``: declare a task a singleton, whatever framework made it.
+
+See docs/concepts.md#declaring-a-singleton.
 
 The decorator knows tasks only through a :class:`TaskDescription`; each adapter registers a
 describer that recognises its framework's task objects.

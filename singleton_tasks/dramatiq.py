@@ -1,4 +1,4 @@
-"""Dramatiq: ``SingletonMiddleware`` gates singleton actors (SPEC §2–§7).
+"""Dramatiq: ``SingletonMiddleware`` gates singleton actors (docs/concepts.md).
 
 The rules live in the store and the shared worker logic in :class:`~singleton_tasks.runtime.Gatekeeper`;
 this module only maps Dramatiq's hooks onto them:
@@ -62,7 +62,7 @@ _DEAD_GENERATION = -1
 
 
 class QueueFull(core.SingletonQueueFullError, MiddlewareError):
-    """The key's backlog is full: raised by ``.send()``, nothing published (SPEC §5)."""
+    """The key's backlog is full: raised by ``.send()``, nothing published (docs/concepts.md#backlog-cap)."""
 
 
 class SingletonKeyError(core.SingletonKeyError, MiddlewareError):
@@ -118,7 +118,8 @@ class SingletonMiddleware(dramatiq.Middleware):
       namespace: isolates applications sharing one store server.
       retry_delay, retry_jitter: seconds until a denied delivery is re-checked (the fallback of the
         wake on release), ± jitter.
-      lease, orphan_timeout, heartbeat_interval, max_retry_delay: see SPEC §2, §6 (seconds).
+      lease, orphan_timeout, heartbeat_interval, max_retry_delay: seconds; see
+        docs/concepts.md#declaring-a-singleton.
 
     Add it to the broker before actor modules are imported: Dramatiq validates actor options when
     an actor is declared.
@@ -165,7 +166,7 @@ class SingletonMiddleware(dramatiq.Middleware):
 
     # -- declaration -----------------------------------------------------------------------
     def before_declare_actor(self, broker: Broker, actor: dramatiq.Actor[Any, Any]) -> None:
-        """Validate the ``singleton`` option now, not at the first run (SPEC §2).
+        """Validate the ``singleton`` option now, not at the first run.
 
         An actor whose function ``@singleton`` marked (written under ``@dramatiq.actor``) gets
         its option here.
@@ -183,7 +184,7 @@ class SingletonMiddleware(dramatiq.Middleware):
 
     # -- worker lifecycle ------------------------------------------------------------------
     def before_worker_boot(self, broker: Broker, worker: Worker) -> None:
-        """Refuse to start against a missing or incompatible store schema (SPEC §8)."""
+        """Refuse to start against a missing or incompatible store schema (docs/deployment.md)."""
         logging.getLogger(_WORKER_LOGGER).addFilter(self._quiet)
         singletons = [bound for actor in list(broker.actors.values()) if (bound := _bind(actor)) is not None]
         try:
@@ -209,7 +210,7 @@ class SingletonMiddleware(dramatiq.Middleware):
 
     # -- enqueue ---------------------------------------------------------------------------
     def before_enqueue(self, broker: Broker, message: Message[Any], delay: int) -> None:
-        """Register a new singleton run atomically with the backlog cap (SPEC §3.1, §5, §7)."""
+        """Register a new singleton run atomically with the backlog cap (docs/concepts.md)."""
         if GENERATION in message.options:
             return  # seen before: a retry, a delay-queue move, a deferral, a wake
         bound = _bound_for(broker, message.actor_name)
@@ -246,7 +247,8 @@ class SingletonMiddleware(dramatiq.Middleware):
                 )
             raise _for_sender(error) from error
         if outcome.status is Registered.EXISTS:
-            # A start of a run id that is already in line (SPEC §7): this copy is dropped at the gate.
+            # A start of a run id that is already in line: this copy is dropped at the gate
+            # (docs/concepts.md#keys-vs-run-ids).
             logger.info("%s run %s already registered: duplicate start dropped", bound.task_name, spec.run_id)
             message.options[GENERATION] = _DEAD_GENERATION
             return
@@ -289,7 +291,7 @@ class SingletonMiddleware(dramatiq.Middleware):
 
     # -- gate ------------------------------------------------------------------------------
     def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
-        """Claim a slot; a denied delivery is deferred and skipped, never run (SPEC §3.2–§3.3)."""
+        """Claim a slot; a denied delivery is deferred and skipped, never run (docs/concepts.md)."""
         bound = _bound_for(broker, message.actor_name)
         delivery = _Delivery(message, bound, seen=True)
         self._local.delivery = delivery
@@ -353,7 +355,7 @@ class SingletonMiddleware(dramatiq.Middleware):
         _keep_results_away(message)
 
     def _wake(self, broker: Broker, wakes: Sequence[Wake]) -> None:
-        """Publish woken waiters at once: the handoff does not wait for their timers (SPEC §3.6)."""
+        """Publish woken waiters at once, not after their timers (docs/concepts.md#handoff)."""
         for wake in wakes:
             if wake.payload is None:
                 continue  # never delivered yet: its own message is on its way

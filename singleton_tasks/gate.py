@@ -1,4 +1,4 @@
-"""The gate's rules, written once over a locked per-key transaction (SPEC §3–§8).
+"""The gate's rules, written once over a locked per-key transaction (docs/concepts.md).
 
 A store that keeps its data in rows or dicts implements :class:`KeyTransaction` (a handful
 of reads and writes of one key's records, under that key's lock) and gets every rule from
@@ -196,7 +196,7 @@ def _waiters(tx: KeyTransaction) -> Iterator[RunRecord]:
 
 
 def _passed_over(run: RunRecord, now: float) -> bool:
-    """A waiter none of whose copies has shown up for too long (SPEC §6)."""
+    """A waiter none of whose copies has shown up for too long (docs/concepts.md#passed-over-waiters)."""
     return run.passed_over_at is not None and run.passed_over_at < now
 
 
@@ -267,7 +267,8 @@ def _wakes(
 def _take_place(run: RunRecord, payload: bytes | None) -> None:
     """A waiter whose message is known (delivered, or published held back) keeps it to be woken.
 
-    A pending one becomes gated: it takes its place in line again (SPEC §6) and is woken by a release.
+    A pending one becomes gated: it takes its place in line again and is woken by a release
+    (docs/concepts.md#passed-over-waiters).
     """
     run.confirmed = True
     run.payload = payload
@@ -284,7 +285,7 @@ def _meta(tx: KeyTransaction, now: float) -> KeyMeta:
 
 
 def _finish(tx: KeyTransaction, meta: KeyMeta, now: float, timings: Timings) -> None:
-    """Save the counters; an empty key is forgotten after ``retention`` (SPEC §8)."""
+    """Save the counters; an empty key is forgotten after ``retention`` (docs/deployment.md#retention)."""
     if tx.count_runs() == 0:
         meta.seq = 0
         meta.idle_until = now + timings.retention
@@ -314,7 +315,7 @@ def _new_waiter(
 
 
 def register(tx: KeyTransaction, spec: RunSpec, *, confirmed: bool, timings: Timings) -> RegisterOutcome:
-    """Register a pending waiter, atomically with the backlog cap (SPEC §3.1, §5, §7)."""
+    """Register a pending waiter, atomically with the backlog cap (docs/concepts.md#the-life-of-a-run)."""
     if tx.get_run(spec.run_id) is not None:
         return RegisterOutcome(Registered.EXISTS, tx.count_runs())
     now = tx.now()
@@ -402,7 +403,8 @@ def claim(
             return stale()  # a dead copy of a settled run
         if settled is None and issued_before(generation, now - timings.retention):
             return stale()  # issued before anything the store remembers: its run settled
-        # Never registered (send_task, or a settled run re-driven): first sight (SPEC §4).
+        # Never registered (send_task, or a settled run re-driven): first sight
+        # (docs/concepts.md#what-other-deliveries-see).
         tx.clear_settled(spec.run_id)
         run = _new_waiter(spec, meta, now, timings, confirmed=True, generation=generation)
     elif generation not in run.live:
@@ -490,7 +492,7 @@ def _admit(
 
 
 def suspend(tx: KeyTransaction, run_id: str, token: int, *, delay: float) -> bool:
-    """A holder waits for its retry: it keeps its slot, not executing (SPEC §3.4)."""
+    """A holder waits for its retry: it keeps its slot, not executing (docs/concepts.md#the-life-of-a-run)."""
     run = tx.get_run(run_id)
     if run is None or run.state is not RunState.HOLDING or run.token != token:
         return False

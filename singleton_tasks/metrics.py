@@ -1,4 +1,4 @@
-"""Prometheus metrics of the gate (SPEC §9), behind the optional ``metrics`` extra.
+"""Prometheus metrics of the gate (docs/operations.md#metrics), behind the optional ``metrics`` extra.
 
 The adapters report events through the module-level hooks (``observe_*``); each hook is a
 no-op when ``prometheus_client`` is not installed or metrics are disabled, so calling them

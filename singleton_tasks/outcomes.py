@@ -28,8 +28,8 @@ class Registered(enum.Enum):
     """Answer of ``register``."""
 
     REGISTERED = "registered"  # a new pending waiter
-    EXISTS = "exists"  # the run id is already registered: a no-op (SPEC §7)
-    FULL = "full"  # over limit + max_queue_depth: nothing written (SPEC §5)
+    EXISTS = "exists"  # the run id is already registered: a no-op (docs/concepts.md#keys-vs-run-ids)
+    FULL = "full"  # over limit + max_queue_depth: nothing written (docs/concepts.md#backlog-cap)
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ class ClaimOutcome:
 @dataclass(frozen=True)
 class ReleaseOutcome:
     released: bool  # the run was removed by this call
-    lost: bool = False  # another owner holds the slot now (SPEC §6)
+    lost: bool = False  # another owner holds the slot now (docs/concepts.md#takeover)
     wakes: tuple[Wake, ...] = ()
     evicted: tuple[str, ...] = ()
     removed: tuple[str, ...] = ()

@@ -83,7 +83,7 @@ SWEEP_INTERVAL = 300.0
 
 
 def check_store_argument(store: object) -> None:
-    """Check an adapter's ``store`` argument at construction, without connecting (SPEC §8).
+    """Check an adapter's ``store`` argument at construction, without connecting (docs/deployment.md).
 
     A URL's scheme, syntax and driver are checked; without a store, the URL in
     ``SINGLETON_TASKS_STORE`` if it is set. Anything else is a :class:`SingletonConfigError`.
@@ -102,7 +102,7 @@ def check_store_argument(store: object) -> None:
 
 @dataclass(frozen=True)
 class WorkerOptions:
-    """Worker-side timings, in seconds (SPEC §2)."""
+    """Worker-side timings, in seconds (docs/concepts.md#declaring-a-singleton)."""
 
     retry_delay: float = DEFAULT_RETRY_DELAY
     retry_jitter: float = DEFAULT_RETRY_JITTER
@@ -209,7 +209,7 @@ class Gatekeeper:
         store.check_schema()
 
     def check(self, singletons: Iterable[BoundSingleton] = ()) -> None:
-        """Worker start: fail against a bad store URL, a missing or incompatible schema (SPEC §8);
+        """Worker start: fail against a bad store URL, a missing or incompatible schema (docs/deployment.md);
         warn about the clocks and a retention shorter than a task's lease and orphan timeout."""
         was_ready = self.ready
         store = self.store  # opening checks the schema
@@ -256,7 +256,7 @@ class Gatekeeper:
         return dataclasses.replace(options, key=bound.derive_key(args, kwargs), run_id=run_id)
 
     def deferral_delay(self, position: int | None, limit: int = 1) -> float:
-        """~retry_delay ± jitter at the head of the line; rarer re-checks further back (SPEC §3)."""
+        """~retry_delay ± jitter at the head of the line; rarer re-checks further back (docs/concepts.md)."""
         base = self.options.retry_delay
         if position is not None and position > limit:
             base = max(base, min(self.options.max_retry_delay, base * (position - limit + 1)))

@@ -1,6 +1,6 @@
 """The store contract suite: prove a :class:`~singleton_tasks.stores.base.Store` keeps the rules.
 
-Every bundled store runs this suite, and so can yours (SPEC §8). Subclass :class:`StoreContract`
+Every bundled store runs this suite, and so can yours (docs/custom-stores.md). Subclass :class:`StoreContract`
 in a test module (the class name must start with ``Test`` for pytest to collect it) and provide
 a ``store_factory`` fixture: a callable ``store_factory(namespace=None, **options) -> Store``.
 Every call makes a new store object on the *same* server (so two stores of one namespace share
@@ -247,7 +247,7 @@ class StoreContract:
 
         return make
 
-    # ---------------------------------------------------------------- order (SPEC §3.2)
+    # -- order (docs/concepts.md#the-life-of-a-run) ------------------------------------------------
 
     @pytest.mark.parametrize("clock_kind", ["moving", "frozen"])
     def test_fifo_by_registration_order(self, make_store: StoreFactory, clock_kind: str) -> None:
@@ -320,7 +320,7 @@ class StoreContract:
         release = at(store, now + 3).release(SCOPE, KEY, "a", token=tokens["a"])
         assert the_wake(release.wakes, "e").generation != e_gen
 
-    # ---------------------------------------------------------------- backlog cap (SPEC §5)
+    # -- backlog cap (docs/concepts.md#backlog-cap) ------------------------------------------------
 
     @pytest.mark.parametrize("depth", [0, 3])
     def test_cap_is_exactly_limit_plus_depth(self, make_store: StoreFactory, depth: int) -> None:
@@ -352,7 +352,7 @@ class StoreContract:
             outcome = at(store, T0).register(spec(f"r{i}"))
             assert (outcome.status, outcome.in_flight) == (Registered.REGISTERED, i + 1)
 
-    # ---------------------------------------------------------------- registration (SPEC §3.1, §7)
+    # -- registration (docs/concepts.md#the-life-of-a-run) -----------------------------------------
 
     def test_dedupe_by_run_id(self, make_store: StoreFactory) -> None:
         store = make_store()
@@ -452,7 +452,7 @@ class StoreContract:
         gated(store, spec("also-by-name"), micros(T0 - 5), T0 + 1, position=1)
         assert waiters(store, T0 + 1) == ["also-by-name"]
 
-    # ---------------------------------------------------------------- wakes and copies (SPEC §3.6, §3.7)
+    # -- wakes and copies (docs/concepts.md#handoff) -----------------------------------------------
 
     def test_release_wakes_exactly_the_gated_slot_owners(self, make_store: StoreFactory) -> None:
         store = make_store()
@@ -602,7 +602,7 @@ class StoreContract:
         stale(store, spec("w"), 0, T0 + 3)
         assert waiters(store, T0 + 3) == []
 
-    # ---------------------------------------------------------------- other deliveries (SPEC §4, §6)
+    # -- other deliveries (docs/concepts.md#what-other-deliveries-see) -----------------------------
 
     def test_duplicate_of_an_executing_holder_is_busy(self, make_store: StoreFactory) -> None:
         store = make_store()
@@ -861,7 +861,7 @@ class StoreContract:
         third = at(store, T0 + 5).release(SCOPE, KEY, "w", token=None)
         assert (third.released, third.lost) == (False, False)
 
-    # ---------------------------------------------------------------- isolation and data (SPEC §8)
+    # -- isolation and data (docs/deployment.md#choosing-a-store) ----------------------------------
 
     def test_namespaces_isolate(self, make_store: StoreFactory) -> None:
         tag = uuid.uuid4().hex[:10]
@@ -977,7 +977,7 @@ class StoreContract:
         self._keys_round_trip(make_store(), self.KEYS_AS_DATA)
 
     def test_keys_with_nul_are_data(self, make_store: StoreFactory) -> None:
-        # A key is any str (SPEC §2); NUL is where C strings and SQL text columns cut it short.
+        # A key is any str; NUL is where C strings and SQL text columns cut it short.
         self._keys_round_trip(make_store(), self.KEYS_WITH_NUL)
 
     def _keys_round_trip(self, store: Store, keys: Sequence[str]) -> None:
@@ -1034,7 +1034,7 @@ class StoreContract:
         assert [s.scope for s in at(store, T0 + 2).snapshot(scope="other")] == ["other"]
         assert at(store, T0 + 2).snapshot(key="missing") == []
 
-    # ---------------------------------------------------------------- schema and time (SPEC §8)
+    # -- schema and time (docs/deployment.md#clocks-and-skew) --------------------------------------
 
     def test_schema_version_mismatch_is_refused(self, make_store: StoreFactory) -> None:
         store = make_store()
@@ -1089,7 +1089,7 @@ class StoreContract:
         snap = store.snapshot(scope=SCOPE, key=KEY)[0]
         assert abs(snap.holders[0].admitted_at - real) < 30
 
-    # ---------------------------------------------------------------- every waiter live or gone (SPEC §6)
+    # -- every waiter live or gone (docs/concepts.md#passed-over-waiters) --------------------------
 
     @pytest.mark.parametrize("state", ["pending", "gated", "woken"])
     def test_a_waiter_unseen_too_long_is_passed_over_then_removed(
@@ -1129,7 +1129,7 @@ class StoreContract:
         assert at(store, gone + 0.5).claim(capped, 0, None).removed == ("lost",)
         assert "lost" not in waiters(store, gone + 0.5)
 
-    # ---------------------------------------------------------------- retention and tokens (SPEC §8)
+    # -- retention and tokens (docs/concepts.md#fencing-tokens) ------------------------------------
 
     def test_tokens_keep_increasing_after_the_key_is_forgotten(self, make_store: StoreFactory) -> None:
         store = make_store(timings=Timings(retention=100.0))

@@ -245,7 +245,7 @@ def test_different_keys_run_in_parallel(store: Store) -> None:
         assert [r.get(interval=0.01, timeout=15) for r in results] == list("abc")
 
 
-# -- max_queue_depth (SPEC §5) ----------------------------------------------------------------
+# -- max_queue_depth (docs/concepts.md#backlog-cap) ------------------------------------------------
 def test_max_queue_depth_rejects_the_fourth_and_accepts_after_a_slot_frees(
     store: Store, journal: Journal
 ) -> None:
@@ -290,7 +290,7 @@ def test_max_queue_depth_rejects_the_fourth_and_accepts_after_a_slot_frees(
     assert journal.overlaps == []
 
 
-# -- notify on release (SPEC §3.6) -------------------------------------------------------------
+# -- notify on release (docs/concepts.md#handoff) --------------------------------------------------
 def test_release_wakes_the_next_waiter_long_before_the_retry_delay(store: Store, journal: Journal) -> None:
     app = make_app(store, retry_delay=30.0, max_retry_delay=30.0)
 
@@ -337,7 +337,7 @@ def test_a_run_that_can_only_wait_is_published_held_back_and_woken_by_the_releas
     assert not [d for d in decisions if d.endswith("gated") or "gated (position" in d], decisions
 
 
-# -- retries keep the slot (SPEC §3.4) ---------------------------------------------------------
+# -- retries keep the slot (docs/concepts.md#the-life-of-a-run) ------------------------------------
 def test_self_retry_keeps_the_slot_and_exhaustion_releases_it(store: Store, journal: Journal) -> None:
     app = make_app(store)
     attempts: dict[str, int] = {}
@@ -507,7 +507,10 @@ def test_an_expired_waiter_is_settled(store: Store, journal: Journal) -> None:
 def test_a_discarded_copy_of_a_running_holder_keeps_its_slot(
     store: Store, journal: Journal, copy_generation: int
 ) -> None:
-    """An expired or revoked copy of a run that executes elsewhere must not free its slot (SPEC §3.7)."""
+    """An expired or revoked copy of a run that executes elsewhere must not free its slot.
+
+    See docs/concepts.md#generations-and-stale-copies.
+    """
     from celery import signals
     from celery.app.task import Context
 
@@ -531,7 +534,7 @@ def test_a_discarded_copy_of_a_running_holder_keeps_its_slot(
     assert journal.overlaps == []
 
 
-# -- deterministic run ids (SPEC §7) -------------------------------------------------------------
+# -- deterministic run ids (docs/concepts.md#keys-vs-run-ids) --------------------------------------
 def test_deterministic_task_id_twice_publishes_once(store: Store, journal: Journal) -> None:
     app = make_app(store)
 
@@ -555,7 +558,7 @@ def test_deterministic_task_id_twice_publishes_once(store: Store, journal: Journ
     assert [r.run_id for r in journal.records] == [run_id, other.id]
 
 
-# -- store outage (SPEC §8) ----------------------------------------------------------------------
+# -- store outage (docs/deployment.md#choosing-a-store) --------------------------------------------
 OUTAGE_PORT = 16391
 
 
@@ -798,7 +801,7 @@ def test_singleton_config_object_and_bound_tasks_are_accepted() -> None:
     assert binding is not None and binding.derive_key((1,), {}) == "1-2"
 
 
-# -- acks defaults (SPEC §6) ---------------------------------------------------------------------
+# -- acks defaults (docs/concepts.md#leases) -------------------------------------------------------
 def test_acks_late_defaults_and_a_warning_when_overridden() -> None:
     app = make_app("memory://acks")
 
@@ -822,7 +825,7 @@ def test_singleton_on_a_finalized_task_keeps_an_explicit_acks_choice_with_the_wa
     def plain(k: str) -> None: ...
 
     singleton(key="{k}")(plain)
-    assert plain.acks_late is True and plain.reject_on_worker_lost is True  # the defaults of SPEC §6
+    assert plain.acks_late is True and plain.reject_on_worker_lost is True  # docs/concepts.md#leases
     with pytest.warns(UserWarning, match="acks_late=False") as warned:
 
         @singleton(key="{k}")
@@ -1020,7 +1023,7 @@ def test_a_forked_pool_process_heartbeats_with_its_own_thread() -> None:
         gatekeeper.close()
 
 
-# -- worker start (SPEC §8) -----------------------------------------------------------------------
+# -- worker start (docs/deployment.md#choosing-a-store) --------------------------------------------
 # Not PostgreSQL: its schema version is database-wide, other tests would see the change.
 @pytest.mark.parametrize("backend", ["memory", "sqlite", "redis"])
 def test_worker_refuses_to_start_on_an_incompatible_schema(

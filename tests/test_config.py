@@ -1,4 +1,4 @@
-"""Bad input is refused early and clearly (SPEC §2, §5, §8)."""
+"""Bad input is refused early and clearly (docs/concepts.md#declaring-a-singleton)."""
 
 from __future__ import annotations
 

@@ -124,3 +124,22 @@ def test_project_urls_point_into_the_repository() -> None:
     assert all(url.startswith(REPO_URL) for url in urls)
     broken = [problem(ROOT / "README.md", url) for url in urls]
     assert broken == [None] * len(broken), broken
+
+
+PACKAGE_REFERENCE = re.compile(r"docs/([\w-]+\.md)(?:#([\w-]+))?")
+
+
+def test_the_packages_references_to_the_docs_resolve() -> None:
+    """The code cites the docs by page and anchor (``docs/concepts.md#leases``); each must exist."""
+    broken, cited = [], 0
+    for source in sorted((ROOT / "singleton_tasks").rglob("*")):
+        if source.suffix not in {".py", ".lua", ".sql"}:
+            continue
+        text = source.read_text("utf-8")
+        assert "SPEC §" not in text, f"{shown(source)} cites a document that ships nowhere"
+        for match in PACKAGE_REFERENCE.finditer(text):
+            cited += 1
+            page, anchor = ROOT / "docs" / match[1], match[2]
+            if not page.is_file() or (anchor and anchor not in anchors(page)):
+                broken.append(f"{shown(source)}: {match[0]}")
+    assert cited > 0 and broken == []

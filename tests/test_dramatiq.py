@@ -1,4 +1,4 @@
-"""Dramatiq adapter in process: StubBroker + Worker against every store (SPEC §2–§7, issue 3)."""
+"""Dramatiq adapter in process: StubBroker + Worker against every store (docs/concepts.md)."""
 
 from __future__ import annotations
 

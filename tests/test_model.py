@@ -1,6 +1,6 @@
 """Model-based test: random operation sequences on a store and on a tiny reference model.
 
-The reference model below is written from SPEC §3–§7 as gate.py defines them, with naive
+The reference model below is written from docs/concepts.md as gate.py defines it, with naive
 lists (no sequence numbers, no pages, no transactions), and shares no code with gate.py.
 Every answer of the store — decisions, tokens, generations, positions, wakes, evictions,
 heartbeat losses — and its snapshot after every step must be identical to the model's.

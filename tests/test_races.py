@@ -1,4 +1,4 @@
-"""Races on the real servers: 2 processes x 8 threads hit one key at once (SPEC §5, §8).
+"""Races on the real servers: 2 processes x 8 threads hit one key at once (docs/concepts.md#backlog-cap).
 
 Overlap is measured outside the store: a counter shared by the processes
 (``multiprocessing.Value`` under its lock) goes up right *after* an admission and down right

@@ -1,5 +1,5 @@
 """What an operation costs on Redis: one FCALL each (one EVALSHA without functions), nothing else
-(SPEC §8, §10).
+(docs/deployment.md#choosing-a-store).
 
 The test starts its own redis-server so that no other client's traffic is counted. What
 the store sends is read with MONITOR, where commands that a Lua script runs inside the server

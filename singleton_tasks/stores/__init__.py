@@ -1,4 +1,4 @@
-"""Stores, chosen by URL scheme (SPEC §8)."""
+"""Stores, chosen by URL scheme (docs/deployment.md#choosing-a-store)."""
 
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ _QUERY_PASSWORD = re.compile(r"(?i)([?&;]pass(?:word|wd)?=)[^&;#]*")  # libpq's 
 
 
 def redact_url(url: str) -> str:
-    """The URL with its password replaced by ``***`` (SPEC §8)."""
+    """The URL with its password replaced by ``***`` (docs/deployment.md#choosing-a-store)."""
     url = _QUERY_PASSWORD.sub(r"\1***", url)
     try:
         parts = urlsplit(url)
@@ -82,8 +82,9 @@ def check_namespace(namespace: str) -> str:
 class Store(abc.ABC):
     """Where runs, slots and tokens live. Every method is one atomic store operation.
 
-    Every deadline is decided on the store's own clock (SPEC §8): a server clock for the
-    network stores, the host's ``time.time()`` for the one-host stores. Options every store takes:
+    Every deadline is decided on the store's own clock: a server clock for the network stores, the
+    host's ``time.time()`` for the one-host stores (docs/deployment.md#clocks-and-skew).
+    Options every store takes:
 
     - ``namespace``: isolates applications sharing one server.
     - ``retention``: seconds after which an idle key, a settled run's marker and a waiter passed
@@ -189,7 +190,7 @@ class Store(abc.ABC):
         """Create or upgrade the store's schema to :data:`SCHEMA_VERSION`."""
 
     def check_schema(self) -> None:
-        """Refuse to work against an incompatible schema (SPEC §8)."""
+        """Refuse to work against an incompatible schema (docs/deployment.md#schema-upgrades)."""
         from ..errors import SchemaVersionError
 
         found = self.schema_version()

@@ -1,4 +1,4 @@
-"""``postgresql://…`` (or ``postgres://…``): psycopg 3 and a connection pool (SPEC §8).
+"""``postgresql://…`` (or ``postgres://…``): psycopg 3 and a connection pool (docs/deployment.md).
 
 Every operation on a key first locks that key's row (created on first use), so admissions
 for different keys never wait on each other. The schema is created and upgraded by

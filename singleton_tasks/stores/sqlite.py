@@ -1,4 +1,4 @@
-"""``sqlite:///path.db``: one host, many processes and threads; the embedded default (SPEC §8).
+"""``sqlite:///path.db``: one host, many processes and threads; the embedded default (docs/deployment.md).
 
 ``sqlite:///relative.db`` is relative to the working directory, ``sqlite:////abs/path.db``
 absolute. The database runs in WAL mode; every operation is one ``BEGIN IMMEDIATE``

@@ -408,7 +408,7 @@ def test_revoking_a_running_holder_lets_it_finish_then_the_key_moves_on(shared: 
 
 
 def test_a_task_id_started_twice_publishes_once(shared: Workers) -> None:
-    """SPEC §7: ``apply_async(task_id=X)`` again while X is holding, or waiting, publishes nothing."""
+    """``apply_async(task_id=X)`` again while X holds or waits publishes nothing (docs/concepts.md)."""
     workers, key, go = shared, unique("D"), unique("go")
     held, waiting = f"held-{key}", f"waiting-{key}"
     first = workers.record.apply_async((key, "first", 0.0), {"until": go}, task_id=held)

@@ -65,7 +65,7 @@ if run == nil then
   if settled == nil and issued_before(generation, now - K.retention) then
     return stale() -- issued before anything the store remembers: its run settled
   end
-  -- Never registered (send_task, or a settled run re-driven): first sight (SPEC §4).
+  -- Never registered (send_task, or a settled run re-driven): first sight (docs/concepts.md#what-other-deliveries-see).
   clear_settled(run_id)
   run = new_waiter(meta, run_id, now, true, generation, lease, orphan_timeout, recheck)
 elseif not contains(run.live, generation) then

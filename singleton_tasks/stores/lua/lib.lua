@@ -537,7 +537,7 @@ local function wakes(meta, now, skip)
 end
 
 -- A waiter whose message is known (delivered, or published held back) keeps it to be woken;
--- a pending one becomes gated: it takes its place in line again (SPEC §6). gate._take_place.
+-- a pending one becomes gated: it takes its place in line again (docs/concepts.md#passed-over-waiters). gate._take_place.
 local function take_place(run, payload)
   run.confirmed = true
   run.payload = payload

@@ -1,4 +1,4 @@
--- register: a pending waiter, atomically with the backlog cap (gate.register; SPEC §3.1, §5, §7).
+-- register: a pending waiter, atomically with the backlog cap (gate.register; docs/concepts.md#the-life-of-a-run).
 --
 -- KEYS, ARGV[1..6]: the per-key layout of lib.lua
 -- ARGV[7] confirmed '1'/'0'   ARGV[8] limit   ARGV[9] max_queue_depth ('' = unbounded)

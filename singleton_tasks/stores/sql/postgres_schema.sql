@@ -7,7 +7,7 @@ CREATE TABLE IF NOT EXISTS singleton_schema_version (
 );
 
 -- Per scope+key counters. A key without runs is idle: its row is deleted once `idle_until`
--- has passed (SPEC §8; tokens come from the store clock, so they keep increasing after that).
+-- has passed (docs/deployment.md#retention; tokens come from the store clock, so they keep increasing after that).
 -- Its row lock is the key's lock: every operation on the key locks it first.
 CREATE TABLE IF NOT EXISTS singleton_keys (
     namespace text NOT NULL,

@@ -7,7 +7,7 @@ CREATE TABLE IF NOT EXISTS singleton_schema_version (
 );
 
 -- Per scope+key counters. A key without runs is idle: its row is deleted once `idle_until`
--- has passed (SPEC §8; tokens come from the store clock, so they keep increasing after that).
+-- has passed (docs/deployment.md#retention; tokens come from the store clock, so they keep increasing after that).
 -- (SQLite serializes every operation with BEGIN IMMEDIATE: one writer per database.)
 CREATE TABLE IF NOT EXISTS singleton_keys (
     namespace TEXT NOT NULL,

@@ -5,7 +5,7 @@ CREATE TABLE IF NOT EXISTS singleton_schema_version (
     version integer PRIMARY KEY
 );
 
--- Per scope+key counters; the row (and its token) outlives the key's runs (SPEC §8).
+-- Per scope+key counters; the row (and its token) outlives the key's runs (docs/concepts.md#fencing-tokens).
 -- Its row lock is the key's lock: every operation on the key locks it first.
 CREATE TABLE IF NOT EXISTS singleton_keys (
     namespace text NOT NULL,

@@ -5,7 +5,7 @@ CREATE TABLE IF NOT EXISTS singleton_schema_version (
     version INTEGER PRIMARY KEY
 );
 
--- Per scope+key counters; the row (and its token) outlives the key's runs (SPEC §8).
+-- Per scope+key counters; the row (and its token) outlives the key's runs (docs/concepts.md#fencing-tokens).
 -- (SQLite serializes every operation with BEGIN IMMEDIATE: one writer per database.)
 CREATE TABLE IF NOT EXISTS singleton_keys (
     namespace TEXT NOT NULL,
