@@ -1,32 +1,31 @@
 """The store contract suite: prove a :class:`~singleton_tasks.stores.base.Store` keeps the rules.
 
-Every bundled store runs this suite, and so can yours (docs/custom-stores.md). Subclass :class:`StoreContract`
-in a test module (the class name must start with ``Test`` for pytest to collect it) and provide
-a ``store_factory`` fixture: a callable ``store_factory(namespace=None, **options) -> Store``.
-Every call makes a new store object on the *same* server (so two stores of one namespace share
-their data); ``namespace=None`` means one namespace unique to the running test; ``options`` are
-passed to the store's constructor (the suite passes ``timings=Timings(...)``). The factory
-should create the schema (``store.migrate()``) and close its stores when the test ends::
+Every bundled store runs this suite, and so can yours (docs/custom-stores.md). Subclass
+:class:`StoreContract` in a test module (the class name must start with ``Test`` for pytest to
+collect it) and provide a ``store_factory`` fixture: a callable
+``store_factory(namespace=None, **options) -> Store``. Every call makes a new store object on the
+*same* server (so two stores of one namespace share their data); ``namespace=None`` means one
+namespace unique to the running test; ``options`` are passed to the store's constructor (the
+suite passes ``clock=`` and sometimes ``retention=``). The factory should create the schema
+(``store.migrate()``) and close its stores when the test ends::
 
     # tests/test_my_store_contract.py
-    import itertools
-import uuid
+    import uuid
 
     import pytest
 
-    from singleton_tasks.testing import StoreContract
     from my_package import MyStore
+    from singleton_tasks.testing import StoreContract
 
 
     class TestMyStore(StoreContract):
         @pytest.fixture
         def store_factory(self):
-            url = "mystore://127.0.0.1:7000"
             default = f"t{uuid.uuid4().hex[:12]}"
             made = []
 
             def make(namespace=None, **options):
-                store = MyStore(url, namespace=namespace or default, **options)
+                store = MyStore("mystore://127.0.0.1:7000", namespace=namespace or default, **options)
                 store.migrate()
                 made.append(store)
                 return store
@@ -35,22 +34,20 @@ import uuid
             for store in made:
                 store.close()
 
-The suite is deterministic: every operation gets an explicit ``now``; nothing sleeps. A store
-that can pretend another library version wrote its schema should offer
-``set_schema_version_for_tests(version)``; otherwise the schema-mismatch test is skipped.
-The one test that uses freezegun is skipped when freezegun is not installed.
+The suite is deterministic and never sleeps: it gives every store a :class:`ManualClock` as its
+``clock=`` option and moves it by hand, so your store must decide every deadline on that clock
+when it is given (and on its own clock otherwise). A store that can pretend another library
+version wrote its schema should offer ``set_schema_version_for_tests(version)``; otherwise the
+schema-mismatch test is skipped. The test of a host clock under freezegun is skipped when
+freezegun is not installed.
 """
 
 from __future__ import annotations
 
 import datetime
 import itertools
-import os
-import shutil
-import socket
 import uuid
 from collections.abc import Callable, Sequence
-from urllib.parse import urlsplit
 
 import pytest
 
@@ -71,38 +68,6 @@ from .outcomes import (
 from .stores.base import SCHEMA_VERSION, Store
 
 StoreFactory = Callable[..., Store]
-
-
-def unavailable(message: str) -> None:
-    """Skip when run by hand; with ``CI`` set a missing service or tool fails the run instead."""
-    if os.environ.get("CI"):
-        pytest.fail(message + " (CI is set: a missing service fails the run)")
-    pytest.skip(message)
-
-
-def reachable(url: str) -> bool:
-    """Whether something listens at the URL's host and port."""
-    parts = urlsplit(url)
-    try:
-        with socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 0), timeout=1.0):
-            return True
-    except OSError:
-        return False
-
-
-def require_server(url: str, what: str) -> None:
-    """The server at ``url`` must be up: see :func:`unavailable`."""
-    if not reachable(url):
-        unavailable(f"{what} at {urlsplit(url).hostname}:{urlsplit(url).port} is not reachable")
-
-
-def require_executable(name: str) -> str:
-    """The path of a program the test starts (``redis-server``): see :func:`unavailable`."""
-    path = shutil.which(name)
-    if path is None:
-        unavailable(f"{name} is not installed")
-    assert path is not None
-    return path
 
 
 SCOPE = "contract.task"

@@ -6,11 +6,12 @@ import os
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from services import require_server
 
 from singleton_tasks import Store, store_from_url
-from singleton_tasks.testing import require_server
 
 REDIS_URL = os.environ.get("SINGLETON_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 POSTGRES_URL = os.environ.get("SINGLETON_TEST_POSTGRES_URL", "postgresql://127.0.0.1:5432/test")
@@ -37,7 +38,12 @@ def backend_url(backend: str, tmp_path: Path) -> str:
 StoreFactory = Callable[..., Store]
 
 
-@pytest.fixture(params=BACKENDS)
+def backend_params(backends: list[str]) -> list[Any]:
+    """Each backend as a parameter carrying its mark, so ``-m redis`` selects the Redis legs."""
+    return [pytest.param(name, marks=getattr(pytest.mark, name), id=name) for name in backends]
+
+
+@pytest.fixture(params=backend_params(BACKENDS))
 def backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 

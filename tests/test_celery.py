@@ -27,7 +27,8 @@ from celery.contrib.testing.worker import start_worker
 from celery.exceptions import Ignore, MaxRetriesExceededError
 from celery.result import AsyncResult
 from celery.worker import state as worker_state
-from conftest import StoreFactory
+from conftest import StoreFactory, backend_params
+from services import require_executable
 
 from singleton_tasks import (
     SingletonConfig,
@@ -43,7 +44,6 @@ from singleton_tasks.celery import GENERATION_HEADER, SingletonTask, gatekeeper_
 from singleton_tasks.outcomes import RegisterOutcome, RunSpec, RunState, Wake
 from singleton_tasks.stores import Store
 from singleton_tasks.stores.memory import MemoryStore
-from singleton_tasks.testing import require_executable
 
 FAST = {"retry_delay": 0.1, "retry_jitter": 0.02, "max_retry_delay": 0.3}
 
@@ -1025,7 +1025,7 @@ def test_a_forked_pool_process_heartbeats_with_its_own_thread() -> None:
 
 # -- worker start (docs/deployment.md#choosing-a-store) --------------------------------------------
 # Not PostgreSQL: its schema version is database-wide, other tests would see the change.
-@pytest.mark.parametrize("backend", ["memory", "sqlite", "redis"])
+@pytest.mark.parametrize("backend", backend_params(["memory", "sqlite", "redis"]))
 def test_worker_refuses_to_start_on_an_incompatible_schema(
     store_factory: StoreFactory, caplog: pytest.LogCaptureFixture
 ) -> None:

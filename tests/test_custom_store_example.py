@@ -88,3 +88,43 @@ def test_the_custom_store_gates_a_dramatiq_burst() -> None:
     assert [token for _n, token in starts] == sorted({token for _n, token in starts})
     # Never two bodies at once: every start follows the previous body's end.
     assert [kind for kind, _n, _token in events] == ["start", "end"] * 5
+
+
+def test_the_test_kits_own_example_runs_as_written(tmp_path: Path) -> None:
+    """``singleton_tasks.testing``'s docstring example, copied verbatim into a test module, passes.
+
+    Its ``my_package.MyStore`` is the example store of the docs, on the URL the docstring gives.
+    """
+    import subprocess
+    import textwrap
+
+    import singleton_tasks.testing
+
+    doc = singleton_tasks.testing.__doc__ or ""
+    block = doc.split("::\n\n", 1)[1].split("\n\n", 0)[0]
+    example = textwrap.dedent(block.split("\nThe suite is deterministic", 1)[0])
+    assert "class TestMyStore(StoreContract):" in example
+    (tmp_path / "test_my_store_contract.py").write_text(example)
+    (tmp_path / "my_package.py").write_text(
+        "import importlib.util, sys, uuid\n"
+        f"spec = importlib.util.spec_from_file_location('custom_store_example', {str(EXAMPLE)!r})\n"
+        "module = importlib.util.module_from_spec(spec)\n"
+        "sys.modules[spec.name] = module\n"
+        "spec.loader.exec_module(module)\n"
+        "SERVER = f'dict://{uuid.uuid4().hex}'\n\n"
+        "class MyStore(module.DictStore):\n"
+        "    def __init__(self, url, **options):\n"
+        "        assert url == 'mystore://127.0.0.1:7000', url\n"
+        "        super().__init__(SERVER, **options)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path), "."],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else result.stderr
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    passed = int(summary.split(" passed")[0].split()[-1])
+    assert passed >= 50, summary

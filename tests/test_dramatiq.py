@@ -15,12 +15,13 @@ from typing import Any
 
 import dramatiq
 import pytest
-from conftest import RABBITMQ_URL, StoreFactory
+from conftest import RABBITMQ_URL, StoreFactory, backend_params
 from dramatiq.brokers.stub import StubBroker
 from dramatiq.common import dq_name, xq_name
 from dramatiq.middleware import AgeLimit, MiddlewareError
 from dramatiq.results import ResultMissing, Results
 from dramatiq.results.backends import StubBackend
+from services import reachable, require_executable, require_server, unavailable
 
 from singleton_tasks import (
     SchemaVersionError,
@@ -36,7 +37,6 @@ from singleton_tasks import (
 from singleton_tasks.dramatiq import GENERATION, QueueFull, SingletonMiddleware
 from singleton_tasks.outcomes import RunState
 from singleton_tasks.stores import SCHEMA_VERSION
-from singleton_tasks.testing import reachable, require_executable, require_server, unavailable
 
 QUEUE = "default"
 FAST = {"retry_delay": 0.05, "retry_jitter": 0.01}
@@ -867,7 +867,7 @@ def test_store_outage_runs_no_body_without_a_slot_and_loses_nothing(
 
 
 # Not PostgreSQL: its schema version is database-wide, other tests would see the change.
-@pytest.mark.parametrize("backend", ["memory", "sqlite", "redis"])
+@pytest.mark.parametrize("backend", backend_params(["memory", "sqlite", "redis"]))
 def test_worker_refuses_to_start_on_an_incompatible_schema(store_factory: StoreFactory) -> None:
     store = store_factory()
     store.set_schema_version_for_tests(SCHEMA_VERSION + 1)  # type: ignore[attr-defined]

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from conftest import backend_params
 
 from singleton_tasks import Store, store_from_url
 from singleton_tasks.outcomes import Decision, Registered, RunSpec
@@ -26,7 +27,7 @@ THREADS = 8
 ROUNDS = 3
 SCOPE = "races"
 
-real_backends = pytest.mark.parametrize("backend", ["sqlite", "redis", "postgres"])
+real_backends = pytest.mark.parametrize("backend", backend_params(["sqlite", "redis", "postgres"]))
 
 
 def _in_threads(body: Callable[[int], Any], barrier: Any) -> tuple[list[Any], list[str]]:

@@ -19,8 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from singleton_tasks.testing import require_executable
+from services import require_executable
 
 redis = pytest.importorskip("redis")
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from rich.console import Console
+from services import require_server, unavailable
 
 from integrations.checker import BROKER_LOSS_PER_KILL, CheckResult, check_run
 from integrations.runlog import RunLog, Scenario
@@ -28,7 +29,6 @@ from integrations.runner import (
     wait_store_idle,
 )
 from integrations.settings import BROKER_URLS, LOG_URL, REDIS_URL, Settings
-from singleton_tasks.testing import require_server, unavailable
 
 FRAMEWORKS = ["dramatiq", "celery"]
 BROKERS = ["redis", "rabbitmq"]

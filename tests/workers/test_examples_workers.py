@@ -24,9 +24,8 @@ from pathlib import Path
 import pytest
 import redis
 from conftest import BROKER_REDIS_URL, REDIS_URL, purge_namespaces
+from services import require_server
 from worker_env import LOG_URL
-
-from singleton_tasks.testing import require_server
 
 pytestmark = pytest.mark.workers
 
