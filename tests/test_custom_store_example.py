@@ -101,7 +101,7 @@ def test_the_test_kits_own_example_runs_as_written(tmp_path: Path) -> None:
     import singleton_tasks.testing
 
     doc = singleton_tasks.testing.__doc__ or ""
-    block = doc.split("::\n\n", 1)[1].split("\n\n", 0)[0]
+    block = doc.split("::\n\n", 1)[1]
     example = textwrap.dedent(block.split("\nThe suite is deterministic", 1)[0])
     assert "class TestMyStore(StoreContract):" in example
     (tmp_path / "test_my_store_contract.py").write_text(example)
