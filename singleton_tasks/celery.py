@@ -42,18 +42,26 @@ from celery.utils import uuid
 from kombu.utils import json as _kombu_json
 
 from . import admission, clock
-from .config import BoundSingleton, SingletonConfig
+from .config import (
+    DEFAULT_LEASE,
+    DEFAULT_MAX_RETRY_DELAY,
+    DEFAULT_ORPHAN_TIMEOUT,
+    DEFAULT_RETRY_DELAY,
+    DEFAULT_RETRY_JITTER,
+    BoundSingleton,
+    SingletonConfig,
+)
 from .decorator import TaskDescription, adopt, register_describer
 from .errors import SingletonConfigError, SingletonKeyError, StoreUnavailableError
 from .outcomes import Decision, Registered, RunSpec, Wake
-from .runtime import Gatekeeper, WorkerOptions, check_store_argument
+from .runtime import GENERATION_FIELD, Gatekeeper, WorkerOptions, check_store_argument
 
 __all__ = ["GENERATION_HEADER", "SingletonTask", "gatekeeper_for", "install"]
 
 logger = logging.getLogger("singleton_tasks")
 
 #: Message header naming the generation of a copy the library published (absent: 0).
-GENERATION_HEADER = "singleton_gen"
+GENERATION_HEADER = GENERATION_FIELD
 #: When a wake copy was published (the handoff-latency metric).
 WOKEN_AT_HEADER = "singleton_woken_at"
 _APP_GATEKEEPER = "_singleton_gatekeeper"
@@ -80,12 +88,12 @@ def install(
     store: Any = None,
     *,
     namespace: str = "default",
-    retry_delay: float = 1.0,
-    retry_jitter: float = 0.25,
-    lease: float = 60.0,
-    orphan_timeout: float | None = 600.0,
+    retry_delay: float = DEFAULT_RETRY_DELAY,
+    retry_jitter: float = DEFAULT_RETRY_JITTER,
+    lease: float = DEFAULT_LEASE,
+    orphan_timeout: float | None = DEFAULT_ORPHAN_TIMEOUT,
     heartbeat_interval: float | None = None,
-    max_retry_delay: float = 10.0,
+    max_retry_delay: float = DEFAULT_MAX_RETRY_DELAY,
 ) -> None:
     """Give ``app``'s singleton tasks a store and worker timings (docs/concepts.md#declaring-a-singleton).
 

@@ -37,12 +37,12 @@ from rich.text import Text
 
 from .errors import SingletonError
 from .outcomes import HolderView, KeySnapshot, ReleaseOutcome, RunState, WaiterView
+from .runtime import STORE_ENV
 from .stores import SCHEMA_VERSION, Store, check_store_url, redact_url, store_from_url
 from .stores.base import check_namespace
 
 logger = logging.getLogger("singleton_tasks")
 
-STORE_ENV = "SINGLETON_TASKS_STORE"
 NAMESPACE_ENV = "SINGLETON_TASKS_NAMESPACE"
 JSON_FORMAT = 1
 
@@ -528,33 +528,19 @@ def _dramatiq_broker(url: str) -> Any:
     raise StoreProblem(f"--broker {redact_url(url)}: expected a redis://… or amqp://… Dramatiq broker URL")
 
 
-def dramatiq_wake_message(payload: bytes, generation: int) -> Any:
-    """The Dramatiq message to publish for a wake: the stored delivery, live as ``generation``."""
-    import dataclasses
-
-    import dramatiq
-
-    message = dramatiq.Message.decode(payload)
-    queue_name = message.queue_name
-    if queue_name.endswith(".DQ"):  # stored from a delay-queue delivery: wake it on its own queue
-        queue_name = queue_name[: -len(".DQ")]
-    # Broker bookkeeping of the stored copy (its delay, its Redis id) must not ride along.
-    options = {k: v for k, v in message.options.items() if k not in ("eta", "redis_message_id")}
-    options["singleton_gen"] = generation
-    return dataclasses.replace(message, queue_name=queue_name, options=options)
-
-
 def _publish_wakes(broker: Any, broker_url: str | None, outcome: ReleaseOutcome) -> set[str]:
     """Publish the wakes on a Dramatiq broker; a failure leaves them to their deferred copies."""
     published: set[str] = set()
     if broker is None or broker_url is None:
         return published
+    from .dramatiq import wake_message
+
     try:
         for wake in outcome.wakes:
             if wake.payload is None:
                 continue
             try:
-                message = dramatiq_wake_message(wake.payload, wake.generation)
+                message = wake_message(broker, wake)
             except Exception:  # a Celery payload, or another format: not ours to publish
                 click.echo(f"cannot publish the wake of {wake.run_id}: not a Dramatiq message", err=True)
                 continue

@@ -17,6 +17,7 @@ Errors raised to the caller of ``.send()`` subclass :class:`dramatiq.middleware.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import sys
@@ -36,10 +37,18 @@ from dramatiq.worker import ConsumerThread
 
 from . import admission, clock
 from . import errors as core
-from .config import BoundSingleton, SingletonConfig
+from .config import (
+    DEFAULT_LEASE,
+    DEFAULT_MAX_RETRY_DELAY,
+    DEFAULT_ORPHAN_TIMEOUT,
+    DEFAULT_RETRY_DELAY,
+    DEFAULT_RETRY_JITTER,
+    BoundSingleton,
+    SingletonConfig,
+)
 from .decorator import TaskDescription, adopt, register_describer
 from .outcomes import Decision, Registered, RunSpec, Wake
-from .runtime import Gatekeeper
+from .runtime import GENERATION_FIELD, Gatekeeper
 from .stores import Store, redact_url
 
 if TYPE_CHECKING:
@@ -54,7 +63,7 @@ logger = logging.getLogger("singleton_tasks")
 
 OPTION = "singleton"
 #: The generation of a copy; present on every message the library has seen (absent = 0).
-GENERATION = "singleton_gen"
+GENERATION = GENERATION_FIELD
 #: When a wake copy was published (the handoff-latency metric).
 WOKEN_AT = "singleton_woken_at"
 #: Generation put on a duplicate start of a registered run id: never live, so the copy is dropped.
@@ -130,12 +139,12 @@ class SingletonMiddleware(dramatiq.Middleware):
         store: Store | str | None = None,
         *,
         namespace: str = "default",
-        retry_delay: float = 1.0,
-        retry_jitter: float = 0.25,
-        lease: float = 60.0,
-        orphan_timeout: float | None = 600.0,
+        retry_delay: float = DEFAULT_RETRY_DELAY,
+        retry_jitter: float = DEFAULT_RETRY_JITTER,
+        lease: float = DEFAULT_LEASE,
+        orphan_timeout: float | None = DEFAULT_ORPHAN_TIMEOUT,
         heartbeat_interval: float | None = None,
-        max_retry_delay: float = 10.0,
+        max_retry_delay: float = DEFAULT_MAX_RETRY_DELAY,
     ) -> None:
         self.gatekeeper = Gatekeeper(
             store,
@@ -360,8 +369,7 @@ class SingletonMiddleware(dramatiq.Middleware):
             if wake.payload is None:
                 continue  # never delivered yet: its own message is on its way
             try:
-                woken = dramatiq.Message.decode(wake.payload).copy(options=_wake_options(broker, wake))
-                broker.enqueue(woken)
+                broker.enqueue(wake_message(broker, wake))
             except Exception:  # its delayed copy re-checks it anyway
                 logger.exception("waking run %s of key %r failed; its timer re-checks", wake.run_id, wake.key)
 
@@ -492,6 +500,24 @@ def _rabbitmq(broker: Broker) -> RabbitmqBroker | None:
     """The broker if it is a RabbitmqBroker (whose module is loaded if one exists), else None."""
     rabbitmq = sys.modules.get("dramatiq.brokers.rabbitmq")
     return broker if rabbitmq is not None and isinstance(broker, rabbitmq.RabbitmqBroker) else None
+
+
+def wake_message(broker: Broker, wake: Wake) -> dramatiq.Message[Any]:
+    """The message that wakes a waiter: its stored delivery, live as the wake's generation.
+
+    Used by the middleware after a release and by ``singleton-tasks release --broker``. The
+    stored copy's broker bookkeeping (its delay, its Redis message id) does not ride along, and a
+    copy stored from a delay-queue delivery wakes on its actor's own queue.
+    """
+    if wake.payload is None:
+        raise ValueError(f"run {wake.run_id} has no stored delivery to wake")
+    message = dramatiq.Message.decode(wake.payload)
+    queue_name = message.queue_name
+    if queue_name.endswith(".DQ"):
+        queue_name = queue_name[: -len(".DQ")]
+    options = {k: v for k, v in message.options.items() if k not in ("eta", "redis_message_id")}
+    options.update(_wake_options(broker, wake))
+    return dataclasses.replace(message, queue_name=queue_name, options=options)
 
 
 def _wake_options(broker: Broker, wake: Wake) -> dict[str, Any]:

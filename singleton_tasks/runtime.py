@@ -48,7 +48,11 @@ from .stores import Store, check_store_url, store_from_url
 
 logger = logging.getLogger("singleton_tasks")
 
+#: The environment variable naming the store when no ``store=`` is given (adapters and CLI).
 STORE_ENV = "SINGLETON_TASKS_STORE"
+#: The message option (Dramatiq) or header (Celery) in which a copy the library published
+#: carries its generation; a copy without it is a new delivery of its run.
+GENERATION_FIELD = "singleton_gen"
 _default_warned = False
 
 
@@ -338,10 +342,11 @@ class Gatekeeper:
         ):
             logger.warning(
                 "%s run %s: a copy issued more than the store's retention (%gs) ago was dropped as stale; "
-                "to re-drive a dead letter that old, remove its singleton_gen or send the run anew",
+                "to re-drive a dead letter that old, remove its %s or send the run anew",
                 task_name,
                 spec.run_id,
                 self.store.retention,
+                GENERATION_FIELD,
             )
         if logger.isEnabledFor(logging.DEBUG):  # every delivery passes here: build nothing when off
             logger.debug(
