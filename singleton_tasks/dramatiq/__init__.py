@@ -17,27 +17,24 @@ Errors raised to the caller of ``.send()`` subclass :class:`dramatiq.middleware.
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import logging
-import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from ._extras import missing
+from .._extras import missing
 
 try:
     import dramatiq
 except ImportError as error:
     raise missing("singleton_tasks.dramatiq", "Dramatiq", "dramatiq", error) from error
 from dramatiq.middleware import MiddlewareError, SkipMessage
-from dramatiq.worker import ConsumerThread
 
-from . import admission, clock
-from . import errors as core
-from .config import (
+from .. import admission, clock
+from .. import errors as core
+from ..config import (
     DEFAULT_LEASE,
     DEFAULT_MAX_RETRY_DELAY,
     DEFAULT_ORPHAN_TIMEOUT,
@@ -46,16 +43,24 @@ from .config import (
     BoundSingleton,
     SingletonConfig,
 )
-from .decorator import TaskDescription, adopt, register_describer
-from .outcomes import Decision, Registered, RunSpec, Wake
-from .runtime import GENERATION_FIELD, Gatekeeper
-from .stores import Store, redact_url
+from ..decorator import TaskDescription, adopt, register_describer
+from ..outcomes import Decision, Registered, RunSpec, Wake
+from ..runtime import GENERATION_FIELD, Gatekeeper
+from ..stores import Store, redact_url
+from ._internals import (
+    QuietSkips,
+    connect_publishing_thread,
+    guard_message_building,
+    immediate_copy,
+    keep_results_away,
+    on_consumer_thread,
+    priority_options,
+)
 
 if TYPE_CHECKING:
     import contextvars
 
     from dramatiq.broker import Broker, MessageProxy
-    from dramatiq.brokers.rabbitmq import RabbitmqBroker
     from dramatiq.message import Message
     from dramatiq.worker import Worker, WorkerThread
 
@@ -157,7 +162,7 @@ class SingletonMiddleware(dramatiq.Middleware):
             max_retry_delay=max_retry_delay,
         )
         self._local = threading.local()
-        self._quiet = _QuietDeferrals(self)
+        self._quiet = QuietSkips(self._is_quiet_deferral)
 
     def __repr__(self) -> str:
         store = self.gatekeeper._store_arg
@@ -194,7 +199,7 @@ class SingletonMiddleware(dramatiq.Middleware):
     # -- worker lifecycle ------------------------------------------------------------------
     def before_worker_boot(self, broker: Broker, worker: Worker) -> None:
         """Refuse to start against a missing or incompatible store schema (docs/deployment.md)."""
-        logging.getLogger(_WORKER_LOGGER).addFilter(self._quiet)
+        self._quiet.install()
         singletons = [bound for actor in list(broker.actors.values()) if (bound := _bind(actor)) is not None]
         try:
             self.gatekeeper.check(singletons)
@@ -210,11 +215,11 @@ class SingletonMiddleware(dramatiq.Middleware):
 
     def after_worker_thread_boot(self, broker: Broker, thread: WorkerThread) -> None:
         """Open this thread's broker connection now: a first wake must not wait for a connect."""
-        _open_publishing_connection(broker)
+        connect_publishing_thread(broker)
 
     def after_worker_shutdown(self, broker: Broker, worker: Worker) -> None:
         """Stop the heartbeat thread and close this process's store clients."""
-        logging.getLogger(_WORKER_LOGGER).removeFilter(self._quiet)
+        self._quiet.uninstall()
         self.gatekeeper.close()
 
     # -- enqueue ---------------------------------------------------------------------------
@@ -284,7 +289,7 @@ class SingletonMiddleware(dramatiq.Middleware):
 
     def _is_continuation(self, message: Message[Any]) -> bool:
         """Whether this enqueue continues accepted work rather than starting new work."""
-        if isinstance(threading.current_thread(), ConsumerThread):
+        if on_consumer_thread():
             return True  # consumer threads only move due messages from the delay queue
         delivery = self._delivery()
         if delivery is None:
@@ -342,7 +347,7 @@ class SingletonMiddleware(dramatiq.Middleware):
             return
         if outcome.decision is Decision.STALE:
             self._wake(broker, outcome.wakes)
-            _keep_results_away(message)
+            keep_results_away(message)
             delivery.quiet = True
             raise SkipMessage("stale singleton copy dropped")
         assert outcome.generation is not None
@@ -361,7 +366,7 @@ class SingletonMiddleware(dramatiq.Middleware):
             # Acking now would lose the run: fail the delivery instead (Retries re-publishes it).
             logger.error("run %s: publishing its deferred copy failed: %s", message.message_id, error)
             raise DeferralFailed(f"could not defer run {message.message_id}: {error}") from error
-        _keep_results_away(message)
+        keep_results_away(message)
 
     def _wake(self, broker: Broker, wakes: Sequence[Wake]) -> None:
         """Publish woken waiters at once, not after their timers (docs/concepts.md#handoff)."""
@@ -473,51 +478,25 @@ class SingletonMiddleware(dramatiq.Middleware):
             logger.warning("%s failed (%s); retrying from the heartbeat thread", what, error)
             self.gatekeeper.retry_later(action, what)
 
+    def _is_quiet_deferral(self, message: object) -> bool:
+        """Whether ``message`` is this thread's delivery, skipped by the gate (its warning is noise)."""
+        delivery = self._delivery()
+        return delivery is not None and delivery.quiet and delivery.message is message
+
     def _delivery(self) -> _Delivery | None:
         delivery: _Delivery | None = getattr(self._local, "delivery", None)
         return delivery
 
 
 # -- helpers -------------------------------------------------------------------------------
-_WORKER_LOGGER = "dramatiq.worker.WorkerThread"
-
-
-class _QuietDeferrals(logging.Filter):
-    """Drops the worker's per-skip warning for our own deferrals (one per waiter per re-check)."""
-
-    def __init__(self, middleware: SingletonMiddleware) -> None:
-        super().__init__()
-        self._middleware = middleware
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.msg != "Message %s was skipped." or not isinstance(record.args, tuple) or not record.args:
-            return True
-        delivery = self._middleware._delivery()
-        return not (delivery is not None and delivery.quiet and delivery.message is record.args[0])
-
-
-def _rabbitmq(broker: Broker) -> RabbitmqBroker | None:
-    """The broker if it is a RabbitmqBroker (whose module is loaded if one exists), else None."""
-    rabbitmq = sys.modules.get("dramatiq.brokers.rabbitmq")
-    return broker if rabbitmq is not None and isinstance(broker, rabbitmq.RabbitmqBroker) else None
-
-
 def wake_message(broker: Broker, wake: Wake) -> dramatiq.Message[Any]:
     """The message that wakes a waiter: its stored delivery, live as the wake's generation.
 
-    Used by the middleware after a release and by ``singleton-tasks release --broker``. The
-    stored copy's broker bookkeeping (its delay, its Redis message id) does not ride along, and a
-    copy stored from a delay-queue delivery wakes on its actor's own queue.
+    Used by the middleware after a release and by ``singleton-tasks release --broker``.
     """
     if wake.payload is None:
         raise ValueError(f"run {wake.run_id} has no stored delivery to wake")
-    message = dramatiq.Message.decode(wake.payload)
-    queue_name = message.queue_name
-    if queue_name.endswith(".DQ"):
-        queue_name = queue_name[: -len(".DQ")]
-    options = {k: v for k, v in message.options.items() if k not in ("eta", "redis_message_id")}
-    options.update(_wake_options(broker, wake))
-    return dataclasses.replace(message, queue_name=queue_name, options=options)
+    return immediate_copy(wake.payload, _wake_options(broker, wake))
 
 
 def _wake_options(broker: Broker, wake: Wake) -> dict[str, Any]:
@@ -527,26 +506,7 @@ def _wake_options(broker: Broker, wake: Wake) -> dict[str, Any]:
     handoff would take as long as the queue. ``max_priority`` is the user's broker setting
     (``RabbitmqBroker(max_priority=N)`` declares the queues with ``x-max-priority``).
     """
-    options: dict[str, Any] = {GENERATION: wake.generation, WOKEN_AT: clock.now()}
-    rabbitmq = _rabbitmq(broker)
-    if rabbitmq is not None and rabbitmq.max_priority:
-        options["broker_priority"] = rabbitmq.max_priority
-    return options
-
-
-def _open_publishing_connection(broker: Broker) -> None:
-    """Connect a RabbitmqBroker's per-thread channel ahead of this thread's first publish.
-
-    RabbitmqBroker connects each publishing thread at its first enqueue (20–30 ms here); a thread
-    whose first publish is the wake of a release would hand the key over that much later.
-    """
-    rabbitmq = _rabbitmq(broker)
-    if rabbitmq is None:
-        return
-    try:
-        rabbitmq.channel  # noqa: B018 - the property connects
-    except Exception as error:  # enqueue connects again when it needs to
-        logger.warning("could not connect this worker thread to RabbitMQ ahead of use: %s", error)
+    return {GENERATION: wake.generation, WOKEN_AT: clock.now(), **priority_options(broker)}
 
 
 def _for_sender(error: core.SingletonError) -> MiddlewareError:
@@ -568,12 +528,6 @@ def _for_sender(error: core.SingletonError) -> MiddlewareError:
 def _generation(message: MessageProxy) -> int:
     value = message.options.get(GENERATION, 0)
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
-
-
-def _keep_results_away(message: MessageProxy) -> None:
-    # Results.after_skip_message stores None for a skipped, non-failed message: a waiter's
-    # get_result(block=True) would return early, a dropped copy would overwrite the real result.
-    message.options["store_results"] = False
 
 
 def _leave(delivery: _Delivery) -> None:
@@ -654,23 +608,16 @@ def _describe_actor(task: object) -> TaskDescription | None:
 
 def _require_middleware(actor: dramatiq.Actor[Any, Any]) -> None:
     """Make building a message of the actor fail while its broker lacks the middleware."""
-    build = actor.message_with_options
-    if getattr(build, "_singleton_guard", False):
-        return
 
-    def message_with_options(
-        *, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None, **options: Any
-    ) -> Any:
+    def check() -> None:
         if not _has_middleware(actor.broker):
             raise core.SingletonConfigError(
                 f"{actor.actor_name} is a singleton actor but its broker has no SingletonMiddleware: "
                 "add broker.add_middleware(SingletonMiddleware(...)) before importing actor modules; "
                 "nothing was sent"
             )
-        return build(args=args, kwargs=kwargs, **options)
 
-    message_with_options._singleton_guard = True  # type: ignore[attr-defined]
-    actor.message_with_options = message_with_options  # type: ignore[method-assign]
+    guard_message_building(actor, check)
 
 
 register_describer(_describe_actor)

@@ -21,12 +21,11 @@ import datetime
 import inspect
 import logging
 import threading
-import types
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, ClassVar, NoReturn
 
-from ._extras import missing
+from .._extras import missing
 
 try:
     import celery  # noqa: F401 - the first import of the extra names it when missing
@@ -34,15 +33,13 @@ except ImportError as error:
     raise missing("singleton_tasks.celery", "Celery", "celery", error) from error
 from celery import Celery, Task, bootsteps, signals
 from celery import states as celery_states
-from celery._state import _get_active_apps, connect_on_app_finalize, get_current_worker_task
 from celery.canvas import Signature
 from celery.exceptions import Ignore, Reject
-from celery.local import PromiseProxy, Proxy
 from celery.utils import uuid
 from kombu.utils import json as _kombu_json
 
-from . import admission, clock
-from .config import (
+from .. import admission, clock
+from ..config import (
     DEFAULT_LEASE,
     DEFAULT_MAX_RETRY_DELAY,
     DEFAULT_ORPHAN_TIMEOUT,
@@ -51,10 +48,10 @@ from .config import (
     BoundSingleton,
     SingletonConfig,
 )
-from .decorator import TaskDescription, adopt, register_describer
-from .errors import SingletonConfigError, SingletonKeyError, StoreUnavailableError
-from .outcomes import Decision, Registered, RunSpec, Wake
-from .runtime import GENERATION_FIELD, Gatekeeper, WorkerOptions, check_store_argument
+from ..errors import SingletonKeyError, StoreUnavailableError
+from ..outcomes import Decision, Registered, RunSpec, Wake
+from ..runtime import GENERATION_FIELD, Gatekeeper, WorkerOptions, check_store_argument
+from ._internals import current_worker_task, is_tracer_call, mark_tracer_call
 
 __all__ = ["GENERATION_HEADER", "SingletonTask", "gatekeeper_for", "install"]
 
@@ -127,7 +124,7 @@ def install(
     if _SchemaCheck not in steps:
         steps.add(_SchemaCheck)
     _connect_signals()
-    _adopt_declared_tasks(app)
+    adopt_declared_tasks(app)
 
 
 class _SchemaCheck(bootsteps.StartStopStep):  # type: ignore[misc]
@@ -215,15 +212,15 @@ class SingletonTask(Task):  # type: ignore[misc]
         cls._singleton_bound = BoundSingleton.bind(
             config, task_name=name, signature=_class_run_signature(cls)
         )
-        _warn_on_unsafe_acks(name, cls.__dict__)
+        warn_on_unsafe_acks(name, cls.__dict__)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         request = self.request_stack.top
-        if request is not None and not request.called_directly and not request._protected:
+        if is_tracer_call(request):
             # The tracer's own call (a worker delivery or .apply()): before_start has gated it.
             # Run the body as the tracer does for a task without __call__ (as Celery's worker
             # does, mark the request so a body calling its own task directly gets a new one).
-            request._protected = 1
+            mark_tracer_call(request)
             return self.run(*args, **kwargs)
         if type(self)._singleton_bound is not None:
             logger.debug("%s called directly: it bypasses the singleton gate", self.name)
@@ -252,7 +249,7 @@ class SingletonTask(Task):  # type: ignore[misc]
     def _is_worker_dispatch(self, options: Mapping[str, Any]) -> bool:
         """A chain step or callback the tracer publishes for the task it just ran."""
         parent = options.get("parent_id")
-        current = get_current_worker_task()
+        current = current_worker_task()
         return bool(parent) and current is not None and current.request.id == parent
 
     # -- enqueue (docs/concepts.md#the-life-of-a-run) -------------------------------------------------------
@@ -543,75 +540,6 @@ def _connect_signals() -> None:
 _connect_signals()  # SingletonTask works without install(): the app.conf / env / default store
 
 
-# -- tasks declared a singleton without SingletonTask (issue 16) ---------------------------
-def _adopt_declared_tasks(app: Celery) -> None:
-    """Make every task of ``app`` declared a singleton a singleton, whenever it is created.
-
-    Two declarations make a plain task: ``@app.task(singleton={...})`` without
-    ``base=SingletonTask`` (Celery keeps any extra option as a class attribute) and
-    ``@singleton(...)`` written under ``@app.task`` / ``@shared_task`` (the function carries
-    the config). Tasks created from now on are adopted as they are created; tasks that exist
-    already or that a promise creates at finalization, now and after finalization.
-    """
-    current: Any = app._task_from_fun
-    if not getattr(current, "_singleton_adopting", False):
-        # Celery internal (checked on celery 5.7.0): every task made from a function, by
-        # @app.task (eager or its PromiseProxy), @shared_task and autodiscovery, is created by
-        # the app's _task_from_fun method; an instance attribute of the same name wraps it.
-        # A PromiseProxy made before this point calls the original: the finalize scan adopts it.
-        def _task_from_fun(app: Celery, fun: Any, *args: Any, **options: Any) -> Any:
-            task = current(fun, *args, **options)
-            _adopt(task)
-            return task
-
-        _task_from_fun._singleton_adopting = True  # type: ignore[attr-defined]
-        app._task_from_fun = types.MethodType(_task_from_fun, app)
-        app.on_after_finalize.connect(_adopt_all, weak=False, dispatch_uid="singleton_tasks.adopt")
-    if app.finalized:
-        _adopt_all(app)
-
-
-def _adopt_all(sender: Celery, **_: Any) -> None:
-    for task in list(sender._tasks.values()):
-        _adopt(task)
-
-
-def _adopt(task: Any) -> None:
-    """Upgrade ``task`` to a singleton if it was declared one without SingletonTask."""
-    cls = type(task)
-    run = getattr(task, "run", None)
-    declared = adopt(run) if run is not None else None
-    option = None if issubclass(cls, SingletonTask) else getattr(cls, "singleton", None)
-    if declared is None and option is None:
-        return
-    if issubclass(cls, SingletonTask) and cls._singleton_bound is not None:
-        if declared is not None and cls._singleton_bound.config is not declared.config:
-            raise SingletonConfigError(
-                f"{task.name} is declared a singleton twice (@singleton and singleton=...); declare it once"
-            )
-        return  # adopted already
-    if declared is not None and option is not None:
-        raise SingletonConfigError(
-            f"{task.name} is declared a singleton twice (@singleton and singleton=...); declare it once"
-        )
-    config = declared.config if declared is not None else SingletonConfig.coerce(option, task_name=task.name)
-    try:
-        signature: inspect.Signature | None = inspect.signature(task.run)
-    except (TypeError, ValueError):
-        signature = None
-    _upgrade(task, BoundSingleton.bind(config, task_name=task.name, signature=signature))
-
-
-def _adopt_at_finalize(app: Celery) -> None:
-    _adopt_declared_tasks(app)
-
-
-# Every app, also one that install() never saw, adopts its declared tasks once it is finalized
-# (a worker always finalizes its app). Celery calls these callbacks in finalize(), before it
-# evaluates the pending @app.task promises.
-connect_on_app_finalize(_adopt_at_finalize)
-
-
 # -- copies the library publishes ----------------------------------------------------------
 @contextlib.contextmanager
 def _republish() -> Iterator[None]:
@@ -720,7 +648,7 @@ def _retry_delay(retry: Any) -> float:
     return 0.0
 
 
-def _warn_on_unsafe_acks(name: str, attributes: Mapping[str, Any]) -> None:
+def warn_on_unsafe_acks(name: str, attributes: Mapping[str, Any]) -> None:
     for option in ("acks_late", "reject_on_worker_lost"):
         if attributes.get(option) is False:
             warnings.warn(
@@ -735,166 +663,15 @@ def _class_run_signature(cls: type) -> inspect.Signature | None:
         if isinstance(run, staticmethod):
             return inspect.signature(run.__func__)
         if callable(run):
-            return _drop_first(inspect.signature(run))
+            return drop_first_parameter(inspect.signature(run))
     except (TypeError, ValueError):
         pass
     return None
 
 
-def _drop_first(signature: inspect.Signature) -> inspect.Signature:
+def drop_first_parameter(signature: inspect.Signature) -> inspect.Signature:
     return signature.replace(parameters=list(signature.parameters.values())[1:])
 
 
-# -- @singleton on an existing task (docs/concepts.md#declaring-a-singleton) ------------------------
-def _upgrade(task: Any, bound: BoundSingleton, explicit: Mapping[str, Any] | None = None) -> None:
-    """Give ``task`` a class that includes SingletonTask (the tracer looks hooks up on the class)."""
-    cls = type(task)
-    if issubclass(cls, SingletonTask) and cls._singleton_bound is not None:
-        if cls.__dict__.get("_singleton_bound") is bound:
-            return
-        raise SingletonConfigError(f"{task.name} is already a singleton task; declare it once")
-    namespace: dict[str, Any] = {
-        "__module__": cls.__module__,
-        "__qualname__": cls.__qualname__,
-        "__doc__": cls.__doc__,
-        "_singleton_bound": bound,
-    }
-    for option in ("acks_late", "reject_on_worker_lost"):
-        chosen = explicit[option] if explicit is not None and option in explicit else _declared(cls, option)
-        # As base=SingletonTask does: docs/concepts.md#takeover.
-        namespace[option] = True if chosen is None else bool(chosen)
-    _warn_on_unsafe_acks(task.name, namespace)
-    bases = (cls,) if issubclass(cls, SingletonTask) else (SingletonTask, cls)
-    task.__class__ = type(cls.__name__, bases, namespace)
-    if task.__dict__.get("__trace__") is not None:
-        task.__trace__ = None  # rebuilt with the new class's hooks
-
-
-def _declared(cls: type, option: str) -> Any:
-    """The value a task class declares for ``option``; ``None`` if only the app's config set it.
-
-    ``Task.bind`` marks a class ``__bound__`` and then copies every option still unset from the
-    config into it, so a value that follows that mark in a class's namespace was not the
-    user's choice (``@app.task(acks_late=False)`` puts it before).
-    """
-    for klass in cls.__mro__:
-        names = list(klass.__dict__)
-        if option not in names:
-            continue
-        if "__bound__" in names and names.index(option) > names.index("__bound__"):
-            continue  # copied from the config by Task.bind
-        return klass.__dict__[option]
-    return None
-
-
-def _proxy_parts(proxy: Any) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
-    return (
-        object.__getattribute__(proxy, "_Proxy__local"),
-        object.__getattribute__(proxy, "_Proxy__args"),
-        object.__getattribute__(proxy, "_Proxy__kwargs"),
-    )
-
-
-def _fun_signature(fun: Any, *, bind: bool) -> inspect.Signature | None:
-    try:
-        signature = inspect.signature(fun)
-    except (TypeError, ValueError):
-        return None
-    return _drop_first(signature) if bind else signature
-
-
-def _cannot(task: object, why: str) -> SingletonConfigError:
-    return SingletonConfigError(
-        f"@singleton cannot handle {type(task).__name__} {why}; put @singleton directly on @app.task or "
-        "@shared_task, or use @app.task(base=SingletonTask, singleton={...})"
-    )
-
-
-def _describe_promise(proxy: Any) -> TaskDescription:
-    """``@app.task`` on an app not finalized yet: attach when the proxy evaluates."""
-    if proxy.__evaluated__():
-        return _describe_task(proxy._get_current_object())
-    try:
-        local, args, options = _proxy_parts(proxy)
-    except AttributeError:
-        raise _cannot(proxy, "(a proxy whose task cannot be found)") from None
-    app = getattr(local, "__self__", None)
-    if not isinstance(app, Celery) or getattr(local, "__name__", "") != "_task_from_fun" or not args:
-        raise _cannot(proxy, f"(a promise of {local!r}, not of a Celery task)")
-    fun = args[0]
-    name = options.get("name") or app.gen_task_name(fun.__name__, fun.__module__)
-
-    def attach(bound: BoundSingleton) -> object:
-        proxy.__then__(lambda: _upgrade(proxy._get_current_object(), bound, options))
-        return proxy
-
-    return TaskDescription(name, _fun_signature(fun, bind=bool(options.get("bind"))), attach)
-
-
-def _describe_shared(proxy: Any) -> TaskDescription:
-    """``@shared_task``: every app gets its own copy, so upgrade each as it is finalized."""
-    local = object.__getattribute__(proxy, "_Proxy__local")
-    code = getattr(local, "__code__", None)
-    cells = getattr(local, "__closure__", None) or ()
-    free = (
-        dict(zip(code.co_freevars, (c.cell_contents for c in cells), strict=False))
-        if code is not None
-        else {}
-    )
-    fun = free.get("fun")
-    if getattr(local, "__name__", "") != "task_by_cons" or fun is None:
-        raise _cannot(proxy, f"(a proxy of {local!r}, not a shared task)")
-    explicit_name: str | None = free.get("name")
-
-    def task_name(app: Celery) -> str:
-        return explicit_name or str(app.gen_task_name(fun.__name__, fun.__module__))
-
-    def attach(bound: BoundSingleton) -> object:
-        def upgrade_in(app: Celery) -> None:
-            task = app._tasks.get(task_name(app))
-            if task is not None:
-                _upgrade(task, bound)
-
-        def on_finalize(app: Celery) -> None:
-            # Finalizers run in no fixed order: upgrade after all of them created their tasks.
-            app.on_after_finalize.connect(lambda sender=None, **_: upgrade_in(app), weak=False)
-
-        connect_on_app_finalize(on_finalize)
-        for app in list(_get_active_apps()):
-            if app.finalized:
-                upgrade_in(app)
-        return proxy
-
-    name = explicit_name or f"{fun.__module__}.{fun.__name__}"
-    return TaskDescription(name, _fun_signature(fun, bind=False), attach)
-
-
-def _describe_task(task: Any) -> TaskDescription:
-    try:
-        signature: inspect.Signature | None = inspect.signature(task.run)
-    except (TypeError, ValueError):
-        signature = None
-
-    def attach(bound: BoundSingleton) -> object:
-        _upgrade(task, bound)
-        return task
-
-    return TaskDescription(task.name, signature, attach)
-
-
-@register_describer
-def describe_celery_task(task: object) -> TaskDescription | None:
-    """Teach ``@singleton`` Celery tasks, ``@app.task`` promises and ``@shared_task`` proxies."""
-    kind = type(task)  # never isinstance() first: a Proxy forwards __class__ and would evaluate
-    if issubclass(kind, PromiseProxy):
-        return _describe_promise(task)
-    if issubclass(kind, Proxy):
-        return _describe_shared(task)
-    if isinstance(task, type) and issubclass(task, Task):
-        raise SingletonConfigError(
-            f"@singleton cannot handle the task class {task.__name__}: give it a `singleton = {{...}}` "
-            "attribute and SingletonTask as a base"
-        )
-    if isinstance(task, Task):
-        return _describe_task(task)
-    return None
+# The declarations' module needs SingletonTask: it is loaded once the class exists.
+from ._declaration import adopt_declared_tasks  # noqa: E402

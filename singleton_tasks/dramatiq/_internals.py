@@ -1,0 +1,120 @@
+"""Every use of Dramatiq's internals, in one place.
+
+Checked on Dramatiq 2.2.1 (the version CI installs); ``tests/test_framework_internals.py``
+fails when an upgrade changes one of them. Each is needed because Dramatiq offers no public way:
+
+1. The worker logs every skipped message as ``"Message %s was skipped."`` on the logger
+   ``dramatiq.worker.WorkerThread``: one warning per waiter per re-check is noise, so a log
+   filter drops it for the deferrals of the gate (and for nothing else).
+2. ``Actor.message_with_options`` builds every message of an actor (``send``,
+   ``send_with_options``, ``message``): it is wrapped on the actor instance so that a
+   singleton actor whose broker lacks the middleware refuses to build one.
+3. ``RabbitmqBroker.channel`` connects the calling thread on first access; ``max_priority`` is
+   the broker's ``x-max-priority`` setting and ``broker_priority`` the option that uses it.
+4. A delivery from a delay queue (``<queue>.DQ``) carries the options ``eta`` and, on Redis,
+   ``redis_message_id``: a stored copy woken at once must carry neither and go to its own queue.
+5. ``Results.after_skip_message`` stores ``None`` for a skipped message unless its
+   ``store_results`` option is false.
+6. A worker's ``ConsumerThread`` enqueues a delayed message again when it is due (moving it
+   from the delay queue): that enqueue continues accepted work and must not register anew.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import dramatiq
+from dramatiq.broker import Broker
+from dramatiq.common import q_name
+from dramatiq.worker import ConsumerThread
+
+if TYPE_CHECKING:
+    from dramatiq.brokers.rabbitmq import RabbitmqBroker
+
+logger = logging.getLogger("singleton_tasks")
+
+#: The logger and the message of the worker's "skipped" warning (1.).
+WORKER_LOGGER = "dramatiq.worker.WorkerThread"
+SKIPPED_MESSAGE = "Message %s was skipped."
+
+
+class QuietSkips(logging.Filter):
+    """Drops the worker's "skipped" warning for the messages ``is_ours(message)`` names (1.)."""
+
+    def __init__(self, is_ours: Callable[[object], bool]) -> None:
+        super().__init__()
+        self._is_ours = is_ours
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != SKIPPED_MESSAGE or not isinstance(record.args, tuple) or not record.args:
+            return True
+        return not self._is_ours(record.args[0])
+
+    def install(self) -> None:
+        logging.getLogger(WORKER_LOGGER).addFilter(self)
+
+    def uninstall(self) -> None:
+        logging.getLogger(WORKER_LOGGER).removeFilter(self)
+
+
+def guard_message_building(actor: dramatiq.Actor[Any, Any], check: Callable[[], None]) -> None:
+    """Run ``check()`` (which raises to refuse) before the actor builds any message (2.)."""
+    build = actor.message_with_options
+    if getattr(build, "_singleton_guard", False):
+        return
+
+    def message_with_options(
+        *, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None, **options: Any
+    ) -> Any:
+        check()
+        return build(args=args, kwargs=kwargs, **options)
+
+    message_with_options._singleton_guard = True  # type: ignore[attr-defined]
+    actor.message_with_options = message_with_options  # type: ignore[method-assign]
+
+
+def rabbitmq(broker: Broker) -> RabbitmqBroker | None:
+    """The broker if it is a RabbitmqBroker (whose module is loaded if one exists), else None."""
+    module = sys.modules.get("dramatiq.brokers.rabbitmq")
+    return broker if module is not None and isinstance(broker, module.RabbitmqBroker) else None
+
+
+def priority_options(broker: Broker) -> dict[str, Any]:
+    """Options that put a message ahead of everything queued, on RabbitMQ priority queues (3.)."""
+    broker_rabbitmq = rabbitmq(broker)
+    if broker_rabbitmq is not None and broker_rabbitmq.max_priority:
+        return {"broker_priority": broker_rabbitmq.max_priority}
+    return {}
+
+
+def connect_publishing_thread(broker: Broker) -> None:
+    """Connect a RabbitmqBroker's channel for the calling thread now, not at its first publish (3.)."""
+    broker_rabbitmq = rabbitmq(broker)
+    if broker_rabbitmq is None:
+        return
+    try:
+        broker_rabbitmq.channel  # noqa: B018 - the property connects
+    except Exception as error:  # enqueue connects again when it needs to
+        logger.warning("could not connect this worker thread to RabbitMQ ahead of use: %s", error)
+
+
+def immediate_copy(payload: bytes, options: dict[str, Any]) -> dramatiq.Message[Any]:
+    """The stored delivery ``payload`` as a message to enqueue at once, with ``options`` added (4.)."""
+    message = dramatiq.Message.decode(payload)
+    kept = {k: v for k, v in message.options.items() if k not in ("eta", "redis_message_id")}
+    return dataclasses.replace(message, queue_name=q_name(message.queue_name), options={**kept, **options})
+
+
+def keep_results_away(message: Any) -> None:
+    """Make Results store nothing for this skipped delivery (5.)."""
+    message.options["store_results"] = False
+
+
+def on_consumer_thread() -> bool:
+    """Whether the calling thread is a worker's consumer, which only moves due delayed messages (6.)."""
+    return isinstance(threading.current_thread(), ConsumerThread)

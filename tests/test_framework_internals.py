@@ -1,0 +1,234 @@
+"""The framework internals the adapters rely on still behave as their modules say.
+
+Each test names the numbered item of ``singleton_tasks/celery/_internals.py`` or
+``singleton_tasks/dramatiq/_internals.py`` it checks; one fails when a Celery or Dramatiq
+upgrade changes that internal, before a user's task silently stops being a singleton.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from typing import Any
+
+import dramatiq
+import pytest
+from celery import Celery, shared_task
+from dramatiq.brokers.stub import StubBroker
+
+from singleton_tasks.celery import _internals as celery_internals
+from singleton_tasks.dramatiq import _internals as dramatiq_internals
+
+
+def _app() -> Celery:
+    return Celery(f"internals{uuid.uuid4().hex[:8]}", set_as_current=False)
+
+
+# -- Celery -----------------------------------------------------------------------------------
+def test_celery_1_current_worker_task_and_active_apps() -> None:
+    app = _app()
+    assert celery_internals.current_worker_task() is None
+    assert app in celery_internals.active_apps()
+
+
+def test_celery_2_every_task_from_a_function_goes_through_task_from_fun() -> None:
+    app = _app()
+    made: list[Any] = []
+    assert celery_internals.adopt_tasks_as_made(app, made.append)
+    assert not celery_internals.adopt_tasks_as_made(app, made.append), "wrapped twice"
+
+    @app.task(name="eager.one")
+    def one() -> None: ...
+
+    app.finalize()  # also makes Celery's built-in tasks (celery.group, ...) from functions
+    ours = [task for task in made if task.name == "eager.one"]
+    assert len({id(task) for task in ours}) == 1 and len(made) > len(ours)
+    assert celery_internals.app_task(app, "eager.one") is ours[0]
+    assert ours[0] in celery_internals.app_tasks(app)
+
+
+def test_celery_3_a_promise_exposes_its_app_function_and_options() -> None:
+    app = _app()
+
+    def body(x: int) -> int:
+        return x
+
+    promise = app.task(body, name="promised", bind=False)
+    parts = celery_internals.promise_parts(promise)
+    assert parts is not None
+    promised_app, fun, options = parts
+    assert promised_app is app and fun is body and options["name"] == "promised"
+    assert not promise.__evaluated__()
+    evaluated: list[str] = []
+    promise.__then__(lambda: evaluated.append("then"))
+    app.finalize()
+    assert promise.__evaluated__() and evaluated == ["then"]
+
+
+def test_celery_4_a_shared_task_proxy_exposes_its_function_and_name() -> None:
+    def shared_body() -> None: ...
+
+    named = shared_task(name="shared.named")(shared_body)
+    unnamed = shared_task(shared_body)
+    assert celery_internals.shared_task_parts(named) == (shared_body, "shared.named")
+    assert celery_internals.shared_task_parts(unnamed) == (shared_body, None)
+
+
+def test_celery_5_options_copied_from_the_config_follow_the_bound_mark() -> None:
+    app = _app()
+    app.conf.task_acks_late = True
+
+    @app.task(name="chosen", acks_late=False)
+    def chosen() -> None: ...
+
+    @app.task(name="inherited")
+    def inherited() -> None: ...
+
+    app.finalize()
+    assert type(app.tasks["chosen"]).acks_late is False
+    assert celery_internals.option_chosen_by_class(type(app.tasks["chosen"]), "acks_late") is False
+    assert type(app.tasks["inherited"]).acks_late is True  # copied from the config by Task.bind
+    assert celery_internals.option_chosen_by_class(type(app.tasks["inherited"]), "acks_late") is None
+
+
+def test_celery_6_the_tracer_is_cached_on_the_task_and_rebuilt_after_a_class_swap() -> None:
+    app = _app()
+    app.conf.task_always_eager = False
+
+    @app.task(name="traced")
+    def traced() -> str:
+        return "plain"
+
+    app.finalize()
+    task = app.tasks["traced"]
+    from celery.app.trace import trace_task
+
+    trace_task(task, "id-1", (), {}, app=app)
+    assert task.__trace__ is not None, "Celery no longer caches the tracer on the task"
+
+    class Marked(type(task)):  # type: ignore[misc]
+        def run(self) -> str:
+            return "swapped"
+
+    celery_internals.replace_task_class(task, Marked)
+    assert type(task) is Marked and task.__trace__ is None
+    retval = trace_task(task, "id-2", (), {}, app=app)
+    assert retval.retval == "swapped"
+
+
+def test_celery_7_the_tracer_marks_its_request_protected() -> None:
+    app = _app()
+    seen: list[bool] = []
+
+    @app.task(name="protected", bind=True)
+    def protected(self: Any) -> None:
+        seen.append(celery_internals.is_tracer_call(self.request))
+
+    app.finalize()
+    from celery.app.trace import setup_worker_optimizations, trace_task
+
+    setup_worker_optimizations(app)
+    try:
+        task = app.tasks["protected"]
+        request = {"id": "r1", "called_directly": False}
+        task.push_request(**request)
+        assert celery_internals.is_tracer_call(task.request_stack.top)
+        celery_internals.mark_tracer_call(task.request_stack.top)
+        assert not celery_internals.is_tracer_call(task.request_stack.top)
+        task.pop_request()
+        trace_task(task, "r2", (), {}, app=app)
+    finally:
+        from celery.app.trace import reset_worker_optimizations
+
+        reset_worker_optimizations(app)
+    assert seen == [False], "inside the body the request is marked, so a direct call gets a new one"
+
+
+# -- Dramatiq ---------------------------------------------------------------------------------
+def test_dramatiq_1_the_worker_logs_skips_in_the_filtered_format(caplog: pytest.LogCaptureFixture) -> None:
+    broker = StubBroker()
+    broker.emit_after("process_boot")
+
+    class Skip(dramatiq.Middleware):
+        def before_process_message(self, broker: Any, message: Any) -> None:
+            raise dramatiq.middleware.SkipMessage()
+
+    broker.add_middleware(Skip())
+
+    @dramatiq.actor(broker=broker)
+    def skipped() -> None: ...
+
+    skipped.send()
+    worker = dramatiq.Worker(broker, worker_threads=1, worker_timeout=50)
+    with caplog.at_level(logging.DEBUG, logger=dramatiq_internals.WORKER_LOGGER):
+        worker.start()
+        try:
+            broker.join(skipped.queue_name, timeout=10_000)
+            worker.join()
+        finally:
+            worker.stop()
+    records = [r for r in caplog.records if r.name == dramatiq_internals.WORKER_LOGGER]
+    assert any(r.msg == dramatiq_internals.SKIPPED_MESSAGE for r in records), [r.msg for r in records]
+    quiet = dramatiq_internals.QuietSkips(lambda message: True)
+    assert not quiet.filter(next(r for r in records if r.msg == dramatiq_internals.SKIPPED_MESSAGE))
+
+
+def test_dramatiq_2_every_send_builds_through_message_with_options() -> None:
+    broker = StubBroker()
+
+    @dramatiq.actor(broker=broker)
+    def guarded(x: int) -> None: ...
+
+    calls: list[str] = []
+
+    def refuse() -> None:
+        calls.append("check")
+        raise RuntimeError("refused")
+
+    dramatiq_internals.guard_message_building(guarded, refuse)
+    sends = (lambda: guarded.send(1), lambda: guarded.send_with_options(args=(1,)), lambda: guarded.message())
+    for send in sends:
+        with pytest.raises(RuntimeError, match="refused"):
+            send()
+    assert calls == ["check"] * 3
+    assert broker.queues[guarded.queue_name].qsize() == 0
+
+
+def test_dramatiq_4_a_delayed_copy_is_woken_on_its_own_queue_without_its_delay() -> None:
+    broker = StubBroker()
+
+    @dramatiq.actor(broker=broker, queue_name="jobs")
+    def delayed() -> None: ...
+
+    enqueued = broker.enqueue(delayed.message(), delay=60_000)
+    assert enqueued.queue_name == "jobs.DQ" and "eta" in enqueued.options
+    woken = dramatiq_internals.immediate_copy(enqueued.encode(), {"extra": 1})
+    assert woken.queue_name == "jobs" and "eta" not in woken.options and woken.options["extra"] == 1
+    assert woken.message_id == enqueued.message_id
+
+
+def test_dramatiq_6_due_delayed_messages_are_moved_by_consumer_threads() -> None:
+    broker = StubBroker()
+    broker.emit_after("process_boot")
+    threads: list[bool] = []
+
+    class Watch(dramatiq.Middleware):
+        def before_enqueue(self, broker: Any, message: Any, delay: Any) -> None:
+            threads.append(dramatiq_internals.on_consumer_thread())
+
+    broker.add_middleware(Watch())
+    done = threading.Event()
+
+    @dramatiq.actor(broker=broker)
+    def later() -> None:
+        done.set()
+
+    later.send_with_options(delay=10)
+    worker = dramatiq.Worker(broker, worker_threads=1, worker_timeout=50)
+    worker.start()
+    try:
+        assert done.wait(10)
+    finally:
+        worker.stop()
+    assert threads == [False, True], "the due message is enqueued again by a ConsumerThread"
