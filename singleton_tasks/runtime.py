@@ -17,7 +17,7 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -424,6 +424,39 @@ class Gatekeeper:
         orphan timeout lapse.
         """
         self.heartbeats.retry_later(action, what)
+
+    def settle_or_retry(self, action: Callable[[], object], what: str) -> None:
+        """Run a settlement now; on a store outage, again from the heartbeat thread until it succeeds."""
+        try:
+            action()
+        except StoreUnavailableError as error:
+            logger.warning("%s failed (%s); retrying from the heartbeat thread", what, error)
+            self.retry_later(action, what)
+
+    def settle_unrun_copy(
+        self,
+        task_name: str,
+        spec: RunSpec,
+        generation: int,
+        publish_wakes: Callable[[Sequence[Wake]], object],
+    ) -> Decision:
+        """Settle the run of a copy that ended without running (revoked, expired, skipped).
+
+        Claiming first tells a live copy (its run is settled) from a duplicate of a run executing
+        elsewhere (BUSY: left alone, it settles there) and from a stale copy (nothing to do), so a
+        discarded copy never frees the slot of a run that still executes. Returns the claim's
+        decision; ``publish_wakes`` gets the wakes of the claim and of the release.
+        """
+        outcome = self.claim(task_name, spec, generation, None)
+        publish_wakes(outcome.wakes)
+        if outcome.decision is Decision.ADMITTED:
+            token: int | None = outcome.token
+        elif outcome.decision is Decision.GATED:
+            token = None
+        else:
+            return outcome.decision
+        publish_wakes(self.release(task_name, spec, token=token).wakes)
+        return outcome.decision
 
     def close(self) -> None:
         if self._heartbeater is not None:

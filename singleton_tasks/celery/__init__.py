@@ -417,40 +417,28 @@ def _on_postrun(
     spec, token, generation = delivery.spec, delivery.token, delivery.generation
     if state == celery_states.RETRY:
         delay = _retry_delay(retval)
-        _settle(
-            gatekeeper, f"suspend {task.name} run {task_id}", lambda: gatekeeper.suspend(spec, token, delay)
+        gatekeeper.settle_or_retry(
+            lambda: gatekeeper.suspend(spec, token, delay), f"suspend {task.name} run {task_id}"
         )
     elif state == celery_states.REJECTED and getattr(retval, "requeue", False):
         # The broker redelivers it: the copy reclaims its own slot at once.
-        _settle(
-            gatekeeper, f"suspend {task.name} run {task_id}", lambda: gatekeeper.suspend(spec, token, 0.0)
+        gatekeeper.settle_or_retry(
+            lambda: gatekeeper.suspend(spec, token, 0.0), f"suspend {task.name} run {task_id}"
         )
     else:
-        _settle(
-            gatekeeper,
-            f"release {task.name} run {task_id} ({state})",
+        gatekeeper.settle_or_retry(
             lambda: _publish_wakes(
                 app, gatekeeper.release(task.name, spec, token=token, generation=generation).wakes
             ),
+            f"release {task.name} run {task_id} ({state})",
         )
 
 
 def _undo_registration(gatekeeper: Gatekeeper, spec: RunSpec, task_name: str) -> None:
     """Remove a registration whose run was not published (only a pending one is removed)."""
-    _settle(
-        gatekeeper,
-        f"undo the registration of {task_name} run {spec.run_id}",
-        lambda: gatekeeper.unregister(spec),
+    gatekeeper.settle_or_retry(
+        lambda: gatekeeper.unregister(spec), f"undo the registration of {task_name} run {spec.run_id}"
     )
-
-
-def _settle(gatekeeper: Gatekeeper, what: str, action: Callable[[], object]) -> None:
-    """Run a settlement; on a store outage, again from the heartbeat thread until it succeeds."""
-    try:
-        action()
-    except StoreUnavailableError as error:
-        logger.warning("%s failed (%s): retrying in the background", what, error)
-        gatekeeper.retry_later(action, what)
 
 
 def _settle_elsewhere(
@@ -473,27 +461,24 @@ def _settle_elsewhere(
     except SingletonKeyError:
         return  # never registered: its delivery failed at the gate
 
-    def release(token: int | None) -> None:
-        outcome = gatekeeper.release(task.name, spec, token=token)
+    def publish(wakes: Iterable[Wake]) -> None:
+        _publish_wakes(app, wakes)
+
+    def release() -> None:
+        outcome = gatekeeper.release(task.name, spec, token=None)
         if outcome.released:
             logger.info("%s run %s settled: %s", task.name, run_id, why)
-        _publish_wakes(app, outcome.wakes)
+        publish(outcome.wakes)
 
     def settle_copy(generation: int) -> None:
-        outcome = gatekeeper.claim(task.name, spec, generation, None)
-        _publish_wakes(app, outcome.wakes)
-        if outcome.decision is Decision.ADMITTED:
-            release(outcome.token)
-        elif outcome.decision is Decision.GATED:
-            release(None)
-        else:  # BUSY: the run executes elsewhere and settles there; STALE: nothing to do
-            logger.debug("%s run %s: %s copy left alone (%s)", task.name, run_id, why, outcome.decision.value)
+        decision = gatekeeper.settle_unrun_copy(task.name, spec, generation, publish)
+        logger.debug("%s run %s: %s copy claimed %s", task.name, run_id, why, decision.value)
 
     what = f"settle {task.name} run {run_id} ({why})"
     if copy_generation is None:
-        _settle(gatekeeper, what, lambda: release(None))
+        gatekeeper.settle_or_retry(release, what)
     else:
-        _settle(gatekeeper, what, lambda: settle_copy(copy_generation))
+        gatekeeper.settle_or_retry(lambda: settle_copy(copy_generation), what)
 
 
 def _on_revoked(

@@ -20,7 +20,7 @@ from __future__ import annotations
 import inspect
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -256,7 +256,7 @@ class SingletonMiddleware(dramatiq.Middleware):
             if self.gatekeeper.ready and isinstance(error, core.StoreUnavailableError):
                 # The registration may have been written before the reply was lost (a timeout): undo
                 # it now rather than leave a ghost until its grace lapses and the key is touched again.
-                self._or_later(
+                self.gatekeeper.settle_or_retry(
                     lambda: self.gatekeeper.unregister(spec), f"undoing the registration of run {spec.run_id}"
                 )
             raise _for_sender(error) from error
@@ -405,13 +405,13 @@ class SingletonMiddleware(dramatiq.Middleware):
 
     def before_ack(self, broker: Broker, message: MessageProxy) -> None:
         """Settle before the ack, so the wake is published before the broker sees the queue drained."""
-        self._settle(broker, message)
+        self._settle_delivery(broker, message)
 
     def before_nack(self, broker: Broker, message: MessageProxy) -> None:
         """Settle a failed run: terminal (retries exhausted, ``throws``, AgeLimit, a bad key)."""
-        self._settle(broker, message)
+        self._settle_delivery(broker, message)
 
-    def _settle(self, broker: Broker, message: MessageProxy) -> None:
+    def _settle_delivery(self, broker: Broker, message: MessageProxy) -> None:
         delivery = self._delivery()
         if delivery is None or delivery.message is not message:
             return  # a delay-queue message moved by a consumer thread: nothing to settle
@@ -437,14 +437,14 @@ class SingletonMiddleware(dramatiq.Middleware):
             def suspend() -> None:
                 self.gatekeeper.suspend(spec, token, delay)
 
-            self._or_later(suspend, f"keeping the slot of run {spec.run_id} for its retry")
+            self.gatekeeper.settle_or_retry(suspend, f"keeping the slot of run {spec.run_id} for its retry")
             return
 
         def release() -> None:
             outcome = self.gatekeeper.release(bound.task_name, spec, token=token)
             self._wake(broker, outcome.wakes)
 
-        self._or_later(release, f"releasing run {spec.run_id} of key {spec.key!r}")
+        self.gatekeeper.settle_or_retry(release, f"releasing run {spec.run_id} of key {spec.key!r}")
 
     def _settle_unseen(self, broker: Broker, bound: BoundSingleton, message: MessageProxy) -> None:
         """Terminal end of a delivery our gate never saw: settle the run only if this copy is live.
@@ -457,26 +457,12 @@ class SingletonMiddleware(dramatiq.Middleware):
         except core.SingletonKeyError:
             return  # never registered: a key is needed for that
         generation = _generation(message)
-
-        def settle() -> None:
-            outcome = self.gatekeeper.claim(bound.task_name, spec, generation, None)
-            self._wake(broker, outcome.wakes)
-            if outcome.decision is Decision.ADMITTED:
-                released = self.gatekeeper.release(bound.task_name, spec, token=outcome.token)
-            elif outcome.decision is Decision.GATED:
-                released = self.gatekeeper.release(bound.task_name, spec, token=None)
-            else:
-                return
-            self._wake(broker, released.wakes)
-
-        self._or_later(settle, f"settling skipped run {spec.run_id} of key {spec.key!r}")
-
-    def _or_later(self, action: Callable[[], None], what: str) -> None:
-        try:
-            action()
-        except core.StoreUnavailableError as error:
-            logger.warning("%s failed (%s); retrying from the heartbeat thread", what, error)
-            self.gatekeeper.retry_later(action, what)
+        self.gatekeeper.settle_or_retry(
+            lambda: self.gatekeeper.settle_unrun_copy(
+                bound.task_name, spec, generation, lambda wakes: self._wake(broker, wakes)
+            ),
+            f"settling skipped run {spec.run_id} of key {spec.key!r}",
+        )
 
     def _is_quiet_deferral(self, message: object) -> bool:
         """Whether ``message`` is this thread's delivery, skipped by the gate (its warning is noise)."""
