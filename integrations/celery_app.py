@@ -55,6 +55,7 @@ def build(settings: Settings) -> Celery:
         namespace=settings.namespace,
         retry_delay=settings.retry_delay,
         retry_jitter=settings.retry_jitter,
+        max_retry_delay=settings.max_retry_delay,
         lease=settings.lease,
         orphan_timeout=settings.orphan_timeout,
     )

@@ -49,6 +49,7 @@ class Settings:
     orphan_timeout: float = 20.0
     retry_delay: float = 0.3
     retry_jitter: float = 0.1
+    max_retry_delay: float = 10.0  # the longest re-check delay (the library's default)
     retry_backoff: float = 0.1  # delay before a raising body's retry
     # RedisBroker: a SIGKILLed worker's messages come back after this (ms); dramatiq's default is 60 s.
     heartbeat_timeout_ms: int = 4000

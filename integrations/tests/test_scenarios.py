@@ -501,3 +501,85 @@ def test_task_lease_shorter_than_middleware_heartbeat(
     assert second.start >= bodies[0].end, "the waiter overlapped the 25 s holder"
     for text in LEASE_LOST:
         assert text not in worker.text(), f"{text!r} in the worker's log:\n{worker.text()[-3000:]}"
+
+
+# -- 9. lost copies --------------------------------------------------------------------------------
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("store", STORES)
+def test_purged_waiters_free_their_key_and_cap(
+    harness: Callable[..., Harness], framework: str, broker: str, store: str
+) -> None:
+    """Every copy of a key's gated and woken waiters is purged (queue, delay queue, the copies a
+    worker held — it is stopped first so it hands them back): within orphan_timeout + the longest
+    re-check delay the waiters are passed over, the key admits a new run, and a capped key
+    (``max_queue_depth=5``) accepts sends again. The checker reports the purged runs as lost by the
+    broker, not as stuck keys.
+
+    Celery has no delay queue: its deferred copies wait in the worker as ETA messages, unacked; the
+    graceful stop hands them back to the broker, where the purge finds them (as Dramatiq's ``.DQ``).
+    """
+    orphan_timeout, max_retry_delay = 3.0, 1.0
+    h = harness(
+        "lost-copies",
+        framework,
+        broker,
+        store,
+        lease=3.0,
+        orphan_timeout=orphan_timeout,
+        retry_delay=0.3,
+        retry_jitter=0.1,
+        max_retry_delay=max_retry_delay,
+        threads=4,
+    )
+    bound = orphan_timeout + max_retry_delay + 0.1  # SPEC §6: unseen this long, a waiter is passed over
+    limit, depth = SINGLETON_TASKS["capped"]
+    assert depth is not None
+    (worker,) = h.workers.start(1)
+    holders = [h.producer.send("mutex", "Q", duration=3.0), h.producer.send("capped", "C", duration=3.0)]
+    for holder in holders:
+        started(h, holder.run_id)
+    waiters = [h.producer.send("mutex", "Q", duration=0.1, item=i) for i in (1, 2)]
+    waiters += [h.producer.send("capped", "C", duration=0.1, item=i) for i in range(1, depth + 1)]
+    assert all(w.accepted for w in waiters)
+    assert not h.producer.send("capped", "C", item=99).accepted, "the capped key was not full"
+    # Every waiter was delivered and deferred: its copies are in the delay queue / the worker's memory.
+    wait_for(
+        lambda: (
+            sum(
+                len([w for w in s.waiters if w.state.value != "pending"])
+                for s in store_snapshots(h.settings.store_url, h.settings.namespace)
+            )
+            == len(waiters)
+        ),
+        timeout=20,
+        what="every waiter gated",
+        workers=h.workers,
+    )
+    # A graceful stop: the holders finish (their releases publish wakes) and the worker hands every
+    # copy it held back to the broker; then every copy of the scenario's queue goes.
+    h.workers.terminate(worker)
+    lost = [w.run_id for w in waiters]
+    h.driver.purge()
+    time.sleep(1.0)  # a copy the broker requeued for the closed connection just after the purge
+    h.driver.purge()
+    purged_at = h.log.event(h.settings.run, "purge", detail=json.dumps(lost))
+    h.workers.start(1)
+    follower = h.producer.send("mutex", "Q", duration=0.1, item=10)
+    wait_all_completed(h.log, h.settings.run, [follower.run_id], timeout=30, workers=h.workers)
+    (body,) = h.log.bodies(h.settings.run, follower.run_id)
+    assert body.start <= purged_at + bound + 3.0, (
+        f"the key admitted a new run {body.start - purged_at:.1f}s later"
+    )
+    # The capped key still counts its lost waiters until they are passed over; then it accepts again.
+    time.sleep(max(0.0, purged_at + bound + 0.5 - time.time()))
+    again = [h.producer.send("capped", "C", duration=0.1, item=20 + i) for i in range(depth + limit)]
+    assert all(r.accepted for r in again), "the capped key still counts its lost waiters"
+    wait_all_completed(
+        h.log, h.settings.run, [holder.run_id for holder in holders] + [r.run_id for r in again], timeout=60
+    )
+    h.tolerated = frozenset(lost)  # passed over, still listed until the store's retention
+    result = h.check()
+    assert sorted(result.purged) == sorted(lost)
+    assert not result.stuck_keys
+    for run_id in lost:
+        assert not h.log.bodies(h.settings.run, run_id), f"purged run {run_id} ran: a copy survived"
