@@ -12,7 +12,7 @@ import click
 
 from .common import SIZES, THREADS, Report, quiet_framework_logs, render
 
-CASES = ("noop", "burst", "handoff", "roundtrips", "admission", "postgres", "backline", "celery")
+CASES = ("noop", "burst", "handoff", "roundtrips", "admission", "postgres", "backline", "celery", "growth")
 
 
 def machine() -> str:
@@ -63,13 +63,27 @@ def _versions() -> str:
     "the last also runs case 2 on RedisBroker.",
 )
 @click.option(
+    "--stores",
+    default="memory,sqlite,redis,postgres",
+    show_default=True,
+    help="Stores for case 9 (growth).",
+)
+@click.option(
     "--plot",
     "plot_dir",
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
     help="Write PNG charts here (needs the 'bench' extra: matplotlib).",
 )
-def main(size: str, cases: str, runs: int, brokers: str, worker_timeouts: str, plot_dir: Path | None) -> None:
+def main(
+    size: str,
+    cases: str,
+    runs: int,
+    brokers: str,
+    worker_timeouts: str,
+    stores: str,
+    plot_dir: Path | None,
+) -> None:
     """Measure singleton-tasks against plain Dramatiq/Celery and the tools used today."""
     chosen = [c.strip() for c in cases.split(",") if c.strip()]
     unknown = sorted(set(chosen) - set(CASES))
@@ -77,6 +91,7 @@ def main(size: str, cases: str, runs: int, brokers: str, worker_timeouts: str, p
         raise click.BadParameter(f"unknown case(s): {', '.join(unknown)}", param_hint="--cases")
     kinds = [b.strip() for b in brokers.split(",") if b.strip()]
     timeouts = [int(t) for t in worker_timeouts.split(",") if t.strip()]
+    growth_stores = [s.strip() for s in stores.split(",") if s.strip()]
     quiet_framework_logs()
     spec = SIZES[size]
     report = Report()
@@ -99,6 +114,7 @@ def main(size: str, cases: str, runs: int, brokers: str, worker_timeouts: str, p
         "postgres": lambda: st.case_postgres(report, spec, runs),
         "backline": lambda: dq.case_backline(report, spec, 1 if size != "medium" else min(runs, 3), timeouts),
         "celery": lambda: _celery(report, spec, slow_runs, kinds),
+        "growth": lambda: _growth(report, spec, growth_stores),
     }
     started = time.perf_counter()
     for name in CASES:
@@ -123,6 +139,12 @@ def _celery(report: Report, spec: object, runs: int, kinds: list[str]) -> None:
     from . import celery_cases
 
     celery_cases.case_celery(report, spec, runs, kinds)  # type: ignore[arg-type]
+
+
+def _growth(report: Report, spec: object, stores: list[str]) -> None:
+    from . import growth_cases
+
+    growth_cases.case_growth(report, spec, stores)  # type: ignore[arg-type]
 
 
 if __name__ == "__main__":

@@ -44,12 +44,34 @@ class Size:
     hold: float  # case 7: the holder's body, seconds (60 at full size; shorter = scaled time)
     celery_noop: int  # case 8
     celery_burst: int
+    growth_runs: int  # case 9: runs on distinct keys (the footprint is measured after these)
+    growth_idle: int  # case 9: idle keys in the namespace when admission and inspect are timed
+    growth_samples: int  # case 9: timed admissions per side
 
 
 SIZES = {
-    "small": Size("small", 300, 25, 0.02, 1.5, 50, 50, 2_000, 200, 0.5, 3.0, 200, 25),
-    "medium": Size("medium", 2_000, 50, 0.02, 15.0, 200, 200, 10_000, 500, 1.5, 12.0, 1_000, 50),
-    "full": Size("full", 5_000, 50, 0.02, 60.0, 500, 500, 10_000, 1_000, 3.0, 60.0, 5_000, 50),
+    "small": Size("small", 300, 25, 0.02, 1.5, 50, 50, 2_000, 200, 0.5, 3.0, 200, 25, 1_000, 1_000, 200),
+    "medium": Size(
+        "medium", 2_000, 50, 0.02, 15.0, 200, 200, 10_000, 500, 1.5, 12.0, 1_000, 50, 20_000, 100_000, 500
+    ),
+    "full": Size(
+        "full",
+        5_000,
+        50,
+        0.02,
+        60.0,
+        500,
+        500,
+        10_000,
+        1_000,
+        3.0,
+        60.0,
+        5_000,
+        50,
+        200_000,
+        1_000_000,
+        1_000,
+    ),
 }
 
 

@@ -8,7 +8,6 @@ their own process with :func:`build`.
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 from celery import Celery, Task, signals
@@ -17,7 +16,17 @@ from singleton_tasks import current_admission
 from singleton_tasks.celery import SingletonTask, install
 
 from .runlog import Flaky, RunLog, perform
-from .settings import MAX_RETRIES, PLAIN_TASK, SINGLETON_TASKS, Settings, configured, make_store
+from .settings import (
+    MAX_RETRIES,
+    PLAIN_TASK,
+    SINGLETON_TASKS,
+    TASK_TIMINGS,
+    Settings,
+    configured,
+    make_store,
+    real_time,
+    shift_clock,
+)
 
 
 def build(settings: Settings) -> Celery:
@@ -46,6 +55,7 @@ def build(settings: Settings) -> Celery:
         namespace=settings.namespace,
         retry_delay=settings.retry_delay,
         retry_jitter=settings.retry_jitter,
+        max_retry_delay=settings.max_retry_delay,
         lease=settings.lease,
         orphan_timeout=settings.orphan_timeout,
     )
@@ -73,7 +83,12 @@ def build(settings: Settings) -> Celery:
         singleton_body.__name__ = name
         app.task(
             base=SingletonTask,
-            singleton={"key": "{key}", "limit": limit, "max_queue_depth": depth},
+            singleton={
+                "key": "{key}",
+                "limit": limit,
+                "max_queue_depth": depth,
+                **TASK_TIMINGS.get(name, {}),
+            },
             name=name,
             **retry,
         )(singleton_body)
@@ -113,7 +128,7 @@ def log_deliveries(app: Celery, settings: Settings, log: RunLog) -> None:
 
     def prerun(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
         if getattr(sender, "name", None) in names and task_id:
-            local.__dict__[task_id] = time.time()
+            local.__dict__[task_id] = real_time()
 
     def postrun(
         sender: Any = None, task_id: str | None = None, retval: Any = None, state: str | None = None, **_: Any
@@ -130,7 +145,7 @@ def log_deliveries(app: Celery, settings: Settings, log: RunLog) -> None:
 
     def received(sender: Any = None, request: Any = None, **_: Any) -> None:
         if request is not None and getattr(request, "task_name", None) in names:
-            log.delivery(settings.run, request.id, "received", settings.worker, time.time())
+            log.delivery(settings.run, request.id, "received", settings.worker, real_time())
 
     signals.task_prerun.connect(prerun, weak=False)
     signals.task_postrun.connect(postrun, weak=False)
@@ -140,5 +155,6 @@ def log_deliveries(app: Celery, settings: Settings, log: RunLog) -> None:
 
 if configured():  # imported by the celery CLI in a worker process
     worker_settings = Settings.from_env()
+    shift_clock(worker_settings.clock_shift)
     app = build(worker_settings)
     log_deliveries(app, worker_settings, RunLog(worker_settings.log_url))

@@ -138,7 +138,7 @@ class CheckResult:
         row("completed", self.completed, not self.lost)
         row("lost", len(self.lost), not self.lost)
         if self.purged:
-            row("purged on purpose", len(self.purged))
+            row("lost by the broker (purged on purpose)", len(self.purged))
         if self.broker_loss_cap:
             row(
                 "lost by the broker at a SIGKILL (excused, at most)",
@@ -454,11 +454,16 @@ def check(data: RunData, snapshots: Iterable[KeySnapshot], *, now: float | None 
     result.fifo_inversions, result.fifo_excused = check_fifo(data, first_start, limits, orphan_timeout)
 
     excused = set(result.broker_lost)
+    gone = set(result.purged)
     for snap in snapshots:
         left = [h.run_id for h in snap.holders] + [w.run_id for w in snap.waiters]
         if left and all(r in excused for r in left):
             # Only runs the broker lost are left: passed over in the line, or a holder whose retry
             # was lost, evicted at the key's next operation (docs/concepts.md#leases).
+            continue
+        if left and all(r in gone for r in left) and _out_of_the_way(snap, now):
+            # Only purged runs are left, none blocking the key: waiters passed over (removed after
+            # the store's retention), holders whose lease lapsed (evicted at the next operation).
             continue
         if snap.holders or snap.waiters:
             holders = [h.run_id[:8] for h in snap.holders]
@@ -474,6 +479,13 @@ def check(data: RunData, snapshots: Iterable[KeySnapshot], *, now: float | None 
         if run_id in in_store:
             result.rejected_leftovers.append(f"{run_id[:8]}: recorded in the store")
     return result
+
+
+def _out_of_the_way(snap: KeySnapshot, now: float) -> bool:
+    """No holder of the key holds a live lease and no waiter is still in line (SPEC §6)."""
+    return all(h.lease_expires_at <= now for h in snap.holders) and all(
+        w.passed_over_at is not None and w.passed_over_at <= now for w in snap.waiters
+    )
 
 
 def store_snapshots(store_url: str, namespace: str) -> list[KeySnapshot]:

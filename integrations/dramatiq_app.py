@@ -8,7 +8,6 @@ with :func:`build`.
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +18,17 @@ from singleton_tasks import current_admission
 from singleton_tasks.dramatiq import GENERATION, SingletonMiddleware
 
 from .runlog import RunLog, perform
-from .settings import MAX_RETRIES, PLAIN_TASK, SINGLETON_TASKS, Settings, configured, make_store
+from .settings import (
+    MAX_RETRIES,
+    PLAIN_TASK,
+    SINGLETON_TASKS,
+    TASK_TIMINGS,
+    Settings,
+    configured,
+    make_store,
+    real_time,
+    shift_clock,
+)
 
 
 @dataclass
@@ -50,7 +59,7 @@ class DeliveryLog(Middleware):
         return started
 
     def before_process_message(self, broker: dramatiq.Broker, message: Any) -> None:
-        self._started()[message.message_id] = time.time()
+        self._started()[message.message_id] = real_time()
 
     def _done(self, message: Any, how: str) -> None:
         started = self._started().pop(message.message_id, None)
@@ -97,6 +106,7 @@ def build(settings: Settings) -> DramatiqApp:
         namespace=settings.namespace,
         retry_delay=settings.retry_delay,
         retry_jitter=settings.retry_jitter,
+        max_retry_delay=settings.max_retry_delay,
         lease=settings.lease,
         orphan_timeout=settings.orphan_timeout,
     )
@@ -130,7 +140,14 @@ def build(settings: Settings) -> DramatiqApp:
 
         fn.__name__ = name
         declare = dramatiq.actor(
-            actor_name=name, singleton={"key": "{key}", "limit": limit, "max_queue_depth": depth}, **options
+            actor_name=name,
+            singleton={
+                "key": "{key}",
+                "limit": limit,
+                "max_queue_depth": depth,
+                **TASK_TIMINGS.get(name, {}),
+            },
+            **options,
         )
         actors[name] = declare(fn)
 
@@ -145,6 +162,8 @@ def build(settings: Settings) -> DramatiqApp:
 
 
 if configured():  # imported by the dramatiq CLI in a worker process
-    app = build(Settings.from_env())
+    worker_settings = Settings.from_env()
+    shift_clock(worker_settings.clock_shift)
+    app = build(worker_settings)
     dramatiq.set_broker(app.broker)
     broker = app.broker

@@ -21,6 +21,8 @@ from typing import Any
 
 import psycopg
 
+from .settings import real_time
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS integration_scenarios (
     run text PRIMARY KEY,
@@ -239,7 +241,7 @@ class RunLog:
 
     def finish(self, run: str, at: float | None = None) -> None:
         self.execute(
-            "UPDATE integration_scenarios SET finished = %s WHERE run = %s", [at or time.time(), run]
+            "UPDATE integration_scenarios SET finished = %s WHERE run = %s", [at or real_time(), run]
         )
 
     # -- bodies --------------------------------------------------------------------------------
@@ -249,14 +251,14 @@ class RunLog:
         rows = self.execute(
             "INSERT INTO integration_bodies (run, scope, key, run_id, token, pid, worker, attempt, started)"
             " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) RETURNING id",
-            [run, scope, key, run_id, token, os.getpid(), worker, attempt, time.time()],
+            [run, scope, key, run_id, token, os.getpid(), worker, attempt, real_time()],
         )
         return int(rows[0][0])
 
     def body_ended(self, row: int, outcome: str) -> None:
         self.execute(
             "UPDATE integration_bodies SET ended = %s, outcome = %s WHERE id = %s",
-            [time.time(), outcome, row],
+            [real_time(), outcome, row],
         )
 
     @contextlib.contextmanager
@@ -278,7 +280,7 @@ class RunLog:
         self.execute(
             "INSERT INTO integration_deliveries (run, run_id, kind, worker, pid, started, ended, detail)"
             " VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
-            [run, run_id, kind, worker, os.getpid(), started, time.time(), detail],
+            [run, run_id, kind, worker, os.getpid(), started, real_time(), detail],
         )
 
     def deliveries(self, run: str, run_id: str | None = None) -> list[Delivery]:
@@ -304,7 +306,7 @@ class RunLog:
     def event(
         self, run: str, kind: str, worker: str = "", detail: str = "", at: float | None = None
     ) -> float:
-        at = time.time() if at is None else at
+        at = real_time() if at is None else at
         self.execute(
             "INSERT INTO integration_events (run, kind, worker, at, detail) VALUES (%s, %s, %s, %s, %s)",
             [run, kind, worker, at, detail],

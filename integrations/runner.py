@@ -40,7 +40,7 @@ from singleton_tasks.outcomes import KeySnapshot
 
 from .checker import BROKER_LOSS_PER_KILL, lost_to_broker, store_snapshots
 from .runlog import Enqueue, RunLog
-from .settings import PLAIN_TASK, SINGLETON_TASKS, Settings
+from .settings import PLAIN_TASK, SINGLETON_TASKS, Settings, real_time, shift_clock
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -69,8 +69,8 @@ class Driver(abc.ABC):
         self.settings = settings
 
     @abc.abstractmethod
-    def command(self, threads: int, worker: str) -> list[str]:
-        """The command line of worker instance ``worker``."""
+    def command(self, threads: int, worker: str, queue: str) -> list[str]:
+        """The command line of worker instance ``worker``, consuming ``queue``."""
 
     @abc.abstractmethod
     def prepare(self, task: str, key: str, item: int, duration: float, fail: bool) -> Prepared:
@@ -108,7 +108,8 @@ class DramatiqDriver(Driver):
         self.app = build(settings)
         self.sent: dict[str, Any] = {}
 
-    def command(self, threads: int, worker: str) -> list[str]:
+    def command(self, threads: int, worker: str, queue: str) -> list[str]:
+        # The worker's actors are declared on ``queue`` (INTEGRATION_QUEUE): it consumes that one.
         return [
             str(BIN / "dramatiq"),
             "integrations.dramatiq_app",
@@ -175,7 +176,7 @@ class CeleryDriver(Driver):
         self.app = build(settings)
         self.sent: dict[str, tuple[str, tuple[Any, ...]]] = {}
 
-    def command(self, threads: int, worker: str) -> list[str]:
+    def command(self, threads: int, worker: str, queue: str) -> list[str]:
         return [
             str(BIN / "celery"),
             "-A",
@@ -186,7 +187,7 @@ class CeleryDriver(Driver):
             "-c",
             str(threads),
             "-Q",
-            self.settings.queue,
+            queue,
             "--without-gossip",
             "--without-mingle",
             "--without-heartbeat",
@@ -306,11 +307,14 @@ class Workers:
         with self._lock:
             return [w for w in self.all if w.alive and not w.expected_exit]
 
-    def start(self, count: int = 1, *, wait: bool = True, threads: int | None = None) -> list[Worker]:
+    def start(
+        self, count: int = 1, *, wait: bool = True, threads: int | None = None, **overrides: Any
+    ) -> list[Worker]:
+        """Start ``count`` workers; ``overrides`` change their settings (another queue, a clock shift)."""
         started = []
         for _ in range(count):
             name = f"w{next(self._names)}"
-            settings = self.driver.settings.with_(worker=name)
+            settings = self.driver.settings.with_(worker=name, **overrides)
             logfile = self.logdir / f"{self.run}-{name}.log"
             env = {
                 **os.environ,
@@ -318,7 +322,7 @@ class Workers:
                 "PYTHONPATH": _pythonpath(),
                 "dramatiq_worker_timeout": "100",
             }
-            command = self.driver.command(threads or self.threads, name)
+            command = self.driver.command(threads or self.threads, name, settings.queue)
             with logfile.open("wb") as out:
                 proc = subprocess.Popen(
                     command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
@@ -326,7 +330,8 @@ class Workers:
             worker = Worker(name, proc, logfile, time.time())
             with self._lock:
                 self.all.append(worker)
-            self.log.event(self.run, "start", name, f"pid {proc.pid}")
+            detail = f"pid {proc.pid}" + "".join(f" {k}={v}" for k, v in sorted(overrides.items()))
+            self.log.event(self.run, "start", name, detail)
             started.append(worker)
         if wait:
             self.wait_ready(started)
@@ -448,11 +453,21 @@ class Producer:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _flushed: int = 0
 
-    def send(self, task: str, key: str, duration: float = 0.0, fail: bool = False, item: int = 0) -> Enqueue:
-        prepared = self.driver.prepare(task, key, item, duration, fail)
+    def send(
+        self,
+        task: str,
+        key: str,
+        duration: float = 0.0,
+        fail: bool = False,
+        item: int = 0,
+        *,
+        via: Driver | None = None,
+    ) -> Enqueue:
+        """Enqueue one run; ``via``: another driver of the same run (the app on another queue)."""
+        prepared = (via or self.driver).prepare(task, key, item, duration, fail)
         with self._lock:
             seq = next(self._seq)
-        at = time.time()
+        at = real_time()
         error: str | None = None
         try:
             prepared.publish()
@@ -463,7 +478,7 @@ class Producer:
         limit = SINGLETON_TASKS[task][0] if task in SINGLETON_TASKS else None
         scope = task if task in SINGLETON_TASKS else PLAIN_TASK
         record = Enqueue(
-            self.name, seq, scope, key, prepared.run_id, limit, error is None, error, at, time.time()
+            self.name, seq, scope, key, prepared.run_id, limit, error is None, error, at, real_time()
         )
         with self._lock:
             self.records.append(record)
@@ -871,7 +886,7 @@ def hammer(
 
     def work(producer: Producer) -> None:
         barrier.wait()
-        delay = start_at - time.time()
+        delay = start_at - real_time()
         if delay > 0:
             time.sleep(delay)  # both processes start together
         for _ in range(per_thread):
@@ -888,6 +903,36 @@ def hammer(
     driver.close()
 
 
+def pair(
+    framework: str,
+    settings: Settings,
+    *,
+    name: str,
+    task: str,
+    key: str,
+    duration: float,
+    gap: float,
+    second_queue: str,
+) -> None:
+    """One producer process (its clock shifted by ``settings.clock_shift``): a holder of
+    ``duration`` s on ``settings.queue``, then ``gap`` s later a short run of the same key on
+    ``second_queue`` (another worker's)."""
+    first = make_driver(framework, settings)
+    second = make_driver(framework, settings.with_(queue=second_queue))
+    shift_clock(settings.clock_shift)
+    log = RunLog(settings.log_url)
+    producer = Producer(first, log, name)
+    try:
+        producer.send(task, key, duration)
+        time.sleep(gap)
+        producer.send(task, key, 0.2, item=1, via=second)
+        producer.flush()
+    finally:
+        log.close()
+        first.close()
+        second.close()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m integrations.runner")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -899,7 +944,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     ham.add_argument("--task", default="capped")
     ham.add_argument("--key", required=True)
     ham.add_argument("--start-at", type=float, default=0.0)
+    two = sub.add_parser("pair", help="a holder, then a second run of its key (settings from INTEGRATION_*)")
+    two.add_argument("--framework", required=True, choices=["dramatiq", "celery"])
+    two.add_argument("--name", required=True)
+    two.add_argument("--task", default="mutex")
+    two.add_argument("--key", required=True)
+    two.add_argument("--duration", type=float, required=True)
+    two.add_argument("--gap", type=float, required=True)
+    two.add_argument("--second-queue", required=True)
     args = parser.parse_args(argv)
+    if args.command == "pair":
+        pair(
+            args.framework,
+            Settings.from_env(),
+            name=args.name,
+            task=args.task,
+            key=args.key,
+            duration=args.duration,
+            gap=args.gap,
+            second_queue=args.second_queue,
+        )
+        return 0
     hammer(
         args.framework,
         Settings.from_env(),

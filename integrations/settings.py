@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +24,11 @@ SINGLETON_TASKS: dict[str, tuple[int, int | None]] = {
     "mutex": (1, None),
     "pair": (2, None),
     "capped": (1, 5),
+    "brief": (1, None),
 }
+#: Task-level overrides of the middleware's timings: ``brief`` has a lease far shorter than the
+#: middleware's (its heartbeats must follow its own lease).
+TASK_TIMINGS: dict[str, dict[str, float]] = {"brief": {"lease": 5.0, "orphan_timeout": 5.0}}
 PLAIN_TASK = "plain"
 #: Retries of a raising body (both frameworks).
 MAX_RETRIES = 3
@@ -43,6 +49,7 @@ class Settings:
     orphan_timeout: float = 20.0
     retry_delay: float = 0.3
     retry_jitter: float = 0.1
+    max_retry_delay: float = 10.0  # the longest re-check delay (the library's default)
     retry_backoff: float = 0.1  # delay before a raising body's retry
     # RedisBroker: a SIGKILLed worker's messages come back after this (ms); dramatiq's default is 60 s.
     heartbeat_timeout_ms: int = 4000
@@ -52,6 +59,8 @@ class Settings:
     # outage fails operations fast; 0: the store URL alone, with the library's defaults.
     store_timeout: float = 0.0
     worker: str = ""  # the worker instance name (set per process by the runner)
+    # Seconds this process's ``time.time`` runs ahead of the host's (negative: behind): a skewed host.
+    clock_shift: float = 0.0
 
     def env(self) -> dict[str, str]:
         return {PREFIX + f.name.upper(): str(getattr(self, f.name)) for f in dataclasses.fields(self)}
@@ -82,6 +91,32 @@ def make_store(settings: Settings) -> Store | str:
     elif settings.store_url.startswith("redis"):
         options["socket_timeout"] = options["socket_connect_timeout"] = settings.store_timeout
     return store_from_url(settings.store_url, namespace=settings.namespace, **options)
+
+
+#: The host's real clock, kept before :func:`shift_clock` replaces ``time.time``: the run log
+#: always records real times, so the checker compares bodies of every process on one clock.
+real_time = time.time
+
+
+def shift_clock(seconds: float) -> None:
+    """Make this process's ``time.time`` run ``seconds`` ahead of the host's (negative: behind).
+
+    A wrapper rather than freezegun: a worker needs a clock that keeps ticking in every thread, with
+    ``time.monotonic`` (timeouts, the heartbeat pace) left alone, as on a host whose wall clock is
+    simply set wrong. Call it after the app is imported: Dramatiq's ``current_millis`` (message
+    timestamps, ETAs of delayed messages) bound ``time.time`` at its import and is re-bound here.
+    Celery times ETAs with ``datetime.now``, which stays real: consistent within one process either way.
+    """
+    if not seconds:
+        return
+
+    def shifted() -> float:
+        return real_time() + seconds
+
+    time.time = shifted
+    dramatiq_common = sys.modules.get("dramatiq.common")
+    if dramatiq_common is not None:
+        dramatiq_common.time = shifted  # type: ignore[attr-defined]
 
 
 def configured() -> bool:

@@ -571,10 +571,20 @@ class _Heartbeater:
         if time.monotonic() >= self._skew_warned:
             if abs(compare_clocks(outcome.store_time, store)) > CLOCK_SKEW_WARNING:
                 self._skew_warned = time.monotonic() + 600.0  # once per ten minutes is enough
-        for run_id in outcome.lost:
+        dropped = set(outcome.lost)
+        with self._lock:
+            # A run whose own thread settled it during the call was untracked before its release:
+            # the store forgot it, and that is no loss. Still tracked as heartbeated: lost.
+            lost = [
+                ref.run_id
+                for ref in holders
+                if ref.run_id in dropped and self._running.get(ref.run_id, (None, 0.0))[0] == ref
+            ]
+            for run_id in lost:
+                del self._running[run_id]
+        for run_id in lost:
             logger.error("heartbeat: run %s lost its slot; another owner holds it now", run_id)
-            self.untrack(run_id)
-        return list(outcome.lost)
+        return lost
 
     def sweep(self) -> None:
         """Forget the store's expired state (settled markers, idle keys) every SWEEP_INTERVAL."""

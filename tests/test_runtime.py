@@ -94,3 +94,33 @@ def test_a_copy_older_than_retention_dropped_as_stale_is_a_warning(caplog: pytes
     assert outcome.decision.value == "stale"
     assert any("remove its singleton_gen" in r.getMessage() for r in caplog.records), caplog.text
     gatekeeper.close()
+
+
+def test_a_run_released_during_a_heartbeat_is_not_reported_lost(caplog: pytest.LogCaptureFixture) -> None:
+    """The heartbeat thread takes its list of holders, then the run's own thread releases it (untrack,
+    then release) before the store call: the store no longer knows the run, and that is no loss."""
+    gatekeeper = Gatekeeper(store_from_url(memory()))
+    store = gatekeeper.store
+    spec = RunSpec("s", "k", "r")
+    token = store.claim(spec, 0, None).token or 0
+    gatekeeper.heartbeats.track(HolderRef("s", "k", "r", token), 60.0)
+    beat_in_store = store.heartbeat
+
+    def released_meanwhile(holders: object) -> object:
+        gatekeeper.release("tasks.t", spec, token=token)  # the run's own thread, between list and call
+        return beat_in_store(holders)  # type: ignore[arg-type]
+
+    store.heartbeat = released_meanwhile  # type: ignore[method-assign]
+    with caplog.at_level(logging.ERROR, logger="singleton_tasks"):
+        assert gatekeeper.heartbeats.beat() == []
+    assert not [r for r in caplog.records if "lost its slot" in r.getMessage()], caplog.text
+    # A holder the store dropped while it was still tracked is lost, and said so.
+    store.heartbeat = beat_in_store  # type: ignore[method-assign]
+    other = RunSpec("s", "k2", "r2")
+    token = store.claim(other, 0, None).token or 0
+    gatekeeper.heartbeats.track(HolderRef("s", "k2", "r2", token), 60.0)
+    store.release("s", "k2", "r2", token=token)
+    with caplog.at_level(logging.ERROR, logger="singleton_tasks"):
+        assert gatekeeper.heartbeats.beat() == ["r2"]
+    assert any("r2 lost its slot" in r.getMessage() for r in caplog.records), caplog.text
+    gatekeeper.close()

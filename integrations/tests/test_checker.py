@@ -7,7 +7,7 @@ import json
 
 from rich.console import Console
 
-from integrations.checker import check, lost_to_broker
+from integrations.checker import CheckResult, check, lost_to_broker
 from integrations.runlog import Body, Delivery, Enqueue, Event, RunData, Scenario
 from singleton_tasks.outcomes import KeySnapshot, RunState, WaiterView
 
@@ -154,6 +154,23 @@ def test_lost_run_fails_unless_purged() -> None:
     assert result.ok and result.purged == ["b"]
 
 
+def test_purged_waiter_is_lost_by_the_broker_once_passed_over_not_a_stuck_key() -> None:
+    purge = Event("purge", "", T0 + 3, json.dumps(["b"]))
+    d = data([enq("a", 1), enq("b", 2)], [body("a", 1, 2, 1)], [purge])
+
+    def left(passed_over_at: float | None) -> KeySnapshot:
+        waiter = WaiterView("b", 1, T0, RunState.GATED, True, T0 + 2, passed_over_at)
+        return KeySnapshot("mutex", "K", 1, 1, waiters=(waiter,))
+
+    result = check(d, [left(T0 + 10)], now=T0 + 60)
+    assert result.ok, result.failures()
+    assert result.purged == ["b"] and not result.stuck_keys
+    assert "lost by the broker (purged on purpose)" in render(result)
+    # Still in line (never passed over, or not yet): the key is stuck.
+    assert check(d, [left(None)], now=T0 + 60).stuck_keys
+    assert check(d, [left(T0 + 90)], now=T0 + 60).stuck_keys
+
+
 def test_fifo_inversion_fails_unless_passed_over_after_a_crash() -> None:
     enqueues = [enq("a", 1), enq("b", 2)]
     bodies = [body("b", 25, 26, 1), body("a", 30, 31, 2)]  # b went first 25 s after a's enqueue
@@ -289,3 +306,9 @@ def test_the_table_shows_the_broker_loss_cap() -> None:
     text = console.export_text()
     assert "lost by the broker at a SIGKILL" in text and "1 (≤ 1)" in text
     assert "in transit at a kill, over the cap" in text and "FAIL" in text
+
+
+def render(result: CheckResult) -> str:
+    console = Console(width=110, record=True, file=io.StringIO())
+    result.print(console)
+    return console.export_text()

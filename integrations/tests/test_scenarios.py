@@ -7,6 +7,7 @@ specific to the scenario.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -25,12 +26,19 @@ from integrations.runner import (
     PostgresServer,
     RedisServer,
     Worker,
+    make_driver,
     soak_keys,
     soak_load,
     wait_all_completed,
     wait_for,
 )
 from integrations.settings import SINGLETON_TASKS
+from singleton_tasks.config import (
+    DEFAULT_LEASE,
+    DEFAULT_ORPHAN_TIMEOUT,
+    DEFAULT_RETRY_DELAY,
+    DEFAULT_RETRY_JITTER,
+)
 
 from .conftest import Harness
 
@@ -354,3 +362,230 @@ def test_live_duplicate_is_deferred_never_concurrent(
     for d in during:
         assert d.detail.startswith(("skipped", "IGNORED")), f"the duplicate was not turned away: {d}"
     assert len(h.log.bodies(h.settings.run, waiter.run_id)) == 1
+
+
+# -- 7. skewed clocks ------------------------------------------------------------------------------
+#: How far the skewed hosts' clocks are off: a quarter hour either way, and just under a minute.
+CLOCK_SHIFTS = [900.0, -900.0, 59.0]
+SKEW_HOLD = 12.0  # the first run of each key
+SKEW_GAP = 3.0  # the second run is enqueued this long after the first
+LEASE_LOST = ("lost its slot", "evicted orphaned holder")
+
+
+def _skew_warning(shift: float) -> str:
+    return "ahead of" if shift > 0 else "behind"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("store", STORES)
+def test_skewed_clocks_share_keys_safely(
+    harness: Callable[..., Harness], framework: str, broker: str, store: str
+) -> None:
+    """Workers and producers whose ``time.time`` is off by +900 s, −900 s or +59 s share keys with a
+    true-clock worker (each worker on its own queue): a 12 s holder and a second run 3 s later never
+    overlap, get increasing tokens, and the second starts as soon as the first ends.
+
+    Keys ``A*``: holder on the true worker, second run on a skewed one; ``B*``: the other way round;
+    ``P*``: both enqueued by a producer process with a skewed clock (holder to the true worker,
+    second run to the worker skewed alike). Every decision is the store's, so no skew can evict a
+    heartbeating holder or hold a key up for the skew's length.
+    """
+    h = harness("skew", framework, broker, store, lease=3.0, orphan_timeout=10.0, threads=8)
+    queues = {shift: f"{h.settings.queue}_s{i}" for i, shift in enumerate(CLOCK_SHIFTS)}
+    drivers = {shift: make_driver(framework, h.settings.with_(queue=q)) for shift, q in queues.items()}
+    try:
+        workers = h.workers.start(1, wait=False)
+        skewed = {
+            shift: h.workers.start(1, wait=False, threads=4, queue=queues[shift], clock_shift=shift)[0]
+            for shift in CLOCK_SHIFTS
+        }
+        h.workers.wait_ready([*workers, *skewed.values()])
+        env = {**os.environ, **h.settings.env(), "PYTHONPATH": str(REPO)}
+        producers = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "integrations.runner",
+                    "pair",
+                    "--framework",
+                    framework,
+                    "--name",
+                    f"skewed{i}",
+                    "--key",
+                    f"P{i}",
+                    "--duration",
+                    str(SKEW_HOLD),
+                    "--gap",
+                    str(SKEW_GAP),
+                    "--second-queue",
+                    queues[shift],
+                ],
+                cwd=REPO,
+                env={**env, "INTEGRATION_CLOCK_SHIFT": str(shift)},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+            for i, shift in enumerate(CLOCK_SHIFTS)
+        ]
+        for i, shift in enumerate(CLOCK_SHIFTS):
+            h.producer.send("mutex", f"A{i}", SKEW_HOLD)
+            h.producer.send("mutex", f"B{i}", SKEW_HOLD, via=drivers[shift])
+        time.sleep(SKEW_GAP)
+        for i, shift in enumerate(CLOCK_SHIFTS):
+            h.producer.send("mutex", f"A{i}", 0.2, item=1, via=drivers[shift])
+            h.producer.send("mutex", f"B{i}", 0.2, item=1)
+        for proc in producers:
+            out, _ = proc.communicate(timeout=60)
+            assert proc.returncode == 0, out.decode(errors="replace")[-4000:]
+        h.producer.flush()
+        enqueues = h.log.load(h.settings.run).enqueues
+        assert all(e.accepted for e in enqueues) and len(enqueues) == 6 * len(CLOCK_SHIFTS)
+        wait_all_completed(h.log, h.settings.run, [e.run_id for e in enqueues], timeout=90, workers=h.workers)
+        h.check()
+        for key in sorted({e.key for e in enqueues}):
+            bodies = sorted((b for b in h.log.bodies(h.settings.run) if b.key == key), key=lambda b: b.start)
+            line = [e.run_id for e in sorted((e for e in enqueues if e.key == key), key=lambda e: e.at)]
+            firsts = {b.run_id: b for b in reversed(bodies)}  # each run's first body
+            first, second = firsts[line[0]], firsts[line[1]]
+            assert first.start < second.start, f"key {key}: not in enqueue order"
+            # One at a time, tokens rising in start order. A run may run again after it settled: on
+            # Dramatiq's RedisBroker another worker's maintenance takes a skewed worker's heartbeat
+            # for a dead worker's and requeues its unacked messages; the admitted copy coming back
+            # after settlement is a new claim (SPEC §3.5) — never alongside another body.
+            for before, after in itertools.pairwise(bodies):
+                assert before.end is not None and after.start >= before.end, f"key {key}: overlap"
+                assert before.token is not None and after.token is not None and after.token > before.token
+            # Woken at the release, not after a skew-sized (or lease-sized) wait.
+            assert first.end is not None
+            waited = second.start - first.end
+            assert 0 <= waited < 8.0, f"key {key}: the second run waited {waited:.1f}s"
+        for worker in h.workers.all:
+            for text in LEASE_LOST:
+                assert text not in worker.text(), f"{worker.name}: {text!r}\n{worker.text()[-3000:]}"
+        for shift, worker in skewed.items():  # the shift took effect: the worker saw it against the store
+            assert _skew_warning(shift) in worker.text(), f"{worker.name} ({shift:+}s) logged no skew warning"
+    finally:
+        for driver in drivers.values():
+            driver.cleanup()
+
+
+# -- 8. a task lease shorter than the middleware's -------------------------------------------------
+@pytest.mark.timeout(180)
+def test_task_lease_shorter_than_middleware_heartbeat(
+    harness: Callable[..., Harness], framework: str, broker: str
+) -> None:
+    """Task ``brief`` (lease 5 s, orphan_timeout 5 s) runs a 25 s body under a middleware with its
+    defaults (lease 60 s: heartbeats every 20 s if they followed the middleware): the holder is
+    heartbeated on its own lease, never evicted, and a waiter behind it starts only after it ends.
+
+    One store per framework (Redis for Dramatiq, PostgreSQL for Celery): the heartbeat pace is the
+    worker's, the same for every store.
+    """
+    store = "redis" if framework == "dramatiq" else "postgres"
+    h = harness(
+        "task-lease",
+        framework,
+        broker,
+        store,
+        lease=DEFAULT_LEASE,
+        orphan_timeout=DEFAULT_ORPHAN_TIMEOUT,
+        retry_delay=DEFAULT_RETRY_DELAY,
+        retry_jitter=DEFAULT_RETRY_JITTER,
+        threads=2,
+    )
+    (worker,) = h.workers.start(1)
+    holder = h.producer.send("brief", "S", duration=25.0)
+    first = started(h, holder.run_id)[0]
+    waiter = h.producer.send("brief", "S", duration=0.2, item=1)
+    wait_all_completed(h.log, h.settings.run, [holder.run_id, waiter.run_id], timeout=90, workers=h.workers)
+    h.check()
+    bodies = h.log.bodies(h.settings.run, holder.run_id)
+    assert bodies == [first] or (len(bodies) == 1 and bodies[0].start == first.start)
+    assert bodies[0].end is not None and bodies[0].end - bodies[0].start >= 25.0
+    (second,) = h.log.bodies(h.settings.run, waiter.run_id)
+    assert second.start >= bodies[0].end, "the waiter overlapped the 25 s holder"
+    for text in LEASE_LOST:
+        assert text not in worker.text(), f"{text!r} in the worker's log:\n{worker.text()[-3000:]}"
+
+
+# -- 9. lost copies --------------------------------------------------------------------------------
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("store", STORES)
+def test_purged_waiters_free_their_key_and_cap(
+    harness: Callable[..., Harness], framework: str, broker: str, store: str
+) -> None:
+    """Every copy of a key's gated and woken waiters is purged (queue, delay queue, the copies a
+    worker held — it is stopped first so it hands them back): within orphan_timeout + the longest
+    re-check delay the waiters are passed over, the key admits a new run, and a capped key
+    (``max_queue_depth=5``) accepts sends again. The checker reports the purged runs as lost by the
+    broker, not as stuck keys.
+
+    Celery has no delay queue: its deferred copies wait in the worker as ETA messages, unacked; the
+    graceful stop hands them back to the broker, where the purge finds them (as Dramatiq's ``.DQ``).
+    """
+    orphan_timeout, max_retry_delay = 3.0, 1.0
+    h = harness(
+        "lost-copies",
+        framework,
+        broker,
+        store,
+        lease=3.0,
+        orphan_timeout=orphan_timeout,
+        retry_delay=0.3,
+        retry_jitter=0.1,
+        max_retry_delay=max_retry_delay,
+        threads=4,
+    )
+    bound = orphan_timeout + max_retry_delay + 0.1  # SPEC §6: unseen this long, a waiter is passed over
+    limit, depth = SINGLETON_TASKS["capped"]
+    assert depth is not None
+    (worker,) = h.workers.start(1)
+    holders = [h.producer.send("mutex", "Q", duration=3.0), h.producer.send("capped", "C", duration=3.0)]
+    for holder in holders:
+        started(h, holder.run_id)
+    waiters = [h.producer.send("mutex", "Q", duration=0.1, item=i) for i in (1, 2)]
+    waiters += [h.producer.send("capped", "C", duration=0.1, item=i) for i in range(1, depth + 1)]
+    assert all(w.accepted for w in waiters)
+    assert not h.producer.send("capped", "C", item=99).accepted, "the capped key was not full"
+    # Every waiter was delivered and deferred: its copies are in the delay queue / the worker's memory.
+    wait_for(
+        lambda: (
+            sum(
+                len([w for w in s.waiters if w.state.value != "pending"])
+                for s in store_snapshots(h.settings.store_url, h.settings.namespace)
+            )
+            == len(waiters)
+        ),
+        timeout=20,
+        what="every waiter gated",
+        workers=h.workers,
+    )
+    # A graceful stop: the holders finish (their releases publish wakes) and the worker hands every
+    # copy it held back to the broker; then every copy of the scenario's queue goes.
+    h.workers.terminate(worker)
+    lost = [w.run_id for w in waiters]
+    h.driver.purge()
+    time.sleep(1.0)  # a copy the broker requeued for the closed connection just after the purge
+    h.driver.purge()
+    purged_at = h.log.event(h.settings.run, "purge", detail=json.dumps(lost))
+    h.workers.start(1)
+    follower = h.producer.send("mutex", "Q", duration=0.1, item=10)
+    wait_all_completed(h.log, h.settings.run, [follower.run_id], timeout=30, workers=h.workers)
+    (body,) = h.log.bodies(h.settings.run, follower.run_id)
+    assert body.start <= purged_at + bound + 3.0, (
+        f"the key admitted a new run {body.start - purged_at:.1f}s later"
+    )
+    # The capped key still counts its lost waiters until they are passed over; then it accepts again.
+    time.sleep(max(0.0, purged_at + bound + 0.5 - time.time()))
+    again = [h.producer.send("capped", "C", duration=0.1, item=20 + i) for i in range(depth + limit)]
+    assert all(r.accepted for r in again), "the capped key still counts its lost waiters"
+    wait_all_completed(
+        h.log, h.settings.run, [holder.run_id for holder in holders] + [r.run_id for r in again], timeout=60
+    )
+    h.tolerated = frozenset(lost)  # passed over, still listed until the store's retention
+    result = h.check()
+    assert sorted(result.purged) == sorted(lost)
+    assert not result.stuck_keys
+    for run_id in lost:
+        assert not h.log.bodies(h.settings.run, run_id), f"purged run {run_id} ran: a copy survived"

@@ -39,10 +39,12 @@ UPDATE singleton_keys SET token = :token, seq = :seq, slot_limit = :slot_limit, 
 WHERE namespace = :namespace AND scope = :scope AND key = :key;
 
 -- name: sweep_keys
--- A few keys of the namespace idle past their idle_until (a key never has runs then).
+-- A few keys of the namespace idle past their idle_until (a key never has runs then). In index
+-- order, so the LIMIT stops early on the (namespace, idle_until) index instead of a table scan.
 DELETE FROM singleton_keys WHERE rowid IN (
     SELECT rowid FROM singleton_keys
     WHERE namespace = :namespace AND idle_until IS NOT NULL AND idle_until < :now
+    ORDER BY idle_until
     LIMIT :count
 );
 
@@ -51,6 +53,7 @@ DELETE FROM singleton_keys WHERE rowid IN (
 DELETE FROM singleton_keys WHERE ctid IN (
     SELECT ctid FROM singleton_keys
     WHERE namespace = :namespace AND idle_until IS NOT NULL AND idle_until < :now
+    ORDER BY idle_until
     LIMIT :count
     FOR UPDATE SKIP LOCKED
 );
@@ -142,10 +145,12 @@ WHERE namespace = :namespace AND scope = :scope AND key = :key AND run_id = :run
   AND expires_at > :now;
 
 -- name: sweep_settled
--- A few expired markers of the namespace (each settlement adds one and sweeps two).
+-- A few expired markers of the namespace (each settlement adds one and sweeps two), in the order
+-- of the (namespace, expires_at) index: its LIMIT stops early instead of scanning the table.
 DELETE FROM singleton_settled WHERE rowid IN (
     SELECT rowid FROM singleton_settled
     WHERE namespace = :namespace AND expires_at <= :now
+    ORDER BY expires_at
     LIMIT :count
 );
 
@@ -153,6 +158,7 @@ DELETE FROM singleton_settled WHERE rowid IN (
 DELETE FROM singleton_settled WHERE ctid IN (
     SELECT ctid FROM singleton_settled
     WHERE namespace = :namespace AND expires_at <= :now
+    ORDER BY expires_at
     LIMIT :count
     FOR UPDATE SKIP LOCKED
 );
