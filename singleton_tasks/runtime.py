@@ -204,6 +204,7 @@ class Gatekeeper:
             "MemoryStore",
             "SQLiteStore",
             "RedisStore",
+            "RedisClusterStore",
         ):
             store.migrate()
         store.check_schema()

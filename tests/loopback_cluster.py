@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -110,6 +111,18 @@ class LoopbackCluster:
         finally:
             client.close()
         raise LookupError(slot)
+
+    def keys_on_distinct_primaries(self, prefix_of: Callable[[str], bytes], count: int) -> dict[str, int]:
+        """``count`` key names ``k0``, ``k1``, ... whose slots ``count`` different primaries serve: name -> port."""
+        chosen: dict[str, int] = {}
+        for number in range(10_000):
+            key = f"k{number}"
+            port = self.primary_port_of(prefix_of(key))
+            if port not in chosen.values():
+                chosen[key] = port
+            if len(chosen) == count:
+                return chosen
+        raise LookupError(f"no {count} keys on distinct primaries")
 
     def primary_ports(self) -> list[int]:
         client = redis.Redis(port=self.live_ports()[0], socket_timeout=2)

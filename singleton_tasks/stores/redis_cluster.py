@@ -34,7 +34,6 @@ from redis.cluster import ClusterNode, RedisCluster
 
 from ..errors import SingletonConfigError, StoreUnavailableError
 from ..outcomes import HeartbeatOutcome, HolderRef
-from .base import redact_url
 from .redis import RedisStore, _call_script, _function_library, _no_functions, _text
 
 _SCRIPT_COMMANDS = frozenset({"FCALL", "EVALSHA"})
@@ -154,10 +153,13 @@ class RedisClusterStore(RedisStore):
             password = urlsplit(url).password
             if password:
                 detail = detail.replace(password, "***")
-            if isinstance(error, redis.exceptions.RedisError) or "cannot be connected" in detail:
-                raise StoreUnavailableError(
-                    f"{self!r}: no seed node of {redact_url(url)} answered: {detail}"
+            if "Cluster mode is not enabled" in detail:
+                raise SingletonConfigError(
+                    f"{self!r}: the seed node is not a Redis Cluster node (cluster mode is not enabled); "
+                    "a single server takes redis:// or rediss://"
                 ) from None
+            if isinstance(error, redis.exceptions.RedisError) or "cannot be connected" in detail:
+                raise StoreUnavailableError(f"{self!r}: no seed node answered ({detail})") from None
             raise SingletonConfigError(f"invalid Redis Cluster store {self.url}: {detail}") from None
         # RedisCluster serves every command the store sends (the same command methods as Redis).
         return cast(redis.Redis, client)
