@@ -10,9 +10,9 @@ from pathlib import Path
 
 import click
 
-from .common import SIZES, THREADS, Report, quiet_framework_logs, render
+from .common import SIZES, THREADS, Report, Size, quiet_framework_logs, render
 
-CASES = ("noop", "burst", "handoff", "roundtrips", "admission", "postgres", "backline", "celery")
+CASES = ("noop", "burst", "handoff", "roundtrips", "admission", "postgres", "backline", "celery", "cluster")
 
 
 def machine() -> str:
@@ -69,7 +69,23 @@ def _versions() -> str:
     default=None,
     help="Write PNG charts here (needs the 'bench' extra: matplotlib).",
 )
-def main(size: str, cases: str, runs: int, brokers: str, worker_timeouts: str, plot_dir: Path | None) -> None:
+@click.option(
+    "--cluster-url",
+    envvar="BENCH_CLUSTER_URL",
+    default=None,
+    metavar="URL",
+    help="redis+cluster:// store for case 9 [env BENCH_CLUSTER_URL; default: a loopback cluster "
+    "started on ports 7101-7106 for the case].",
+)
+def main(
+    size: str,
+    cases: str,
+    runs: int,
+    brokers: str,
+    worker_timeouts: str,
+    plot_dir: Path | None,
+    cluster_url: str | None,
+) -> None:
     """Measure singleton-tasks against plain Dramatiq/Celery and the tools used today."""
     chosen = [c.strip() for c in cases.split(",") if c.strip()]
     unknown = sorted(set(chosen) - set(CASES))
@@ -99,6 +115,7 @@ def main(size: str, cases: str, runs: int, brokers: str, worker_timeouts: str, p
         "postgres": lambda: st.case_postgres(report, spec, runs),
         "backline": lambda: dq.case_backline(report, spec, 1 if size != "medium" else min(runs, 3), timeouts),
         "celery": lambda: _celery(report, spec, slow_runs, kinds),
+        "cluster": lambda: _cluster(report, spec, slow_runs, cluster_url, timeouts[-1]),
     }
     started = time.perf_counter()
     for name in CASES:
@@ -123,6 +140,12 @@ def _celery(report: Report, spec: object, runs: int, kinds: list[str]) -> None:
     from . import celery_cases
 
     celery_cases.case_celery(report, spec, runs, kinds)  # type: ignore[arg-type]
+
+
+def _cluster(report: Report, spec: Size, runs: int, url: str | None, worker_timeout: int) -> None:
+    from . import cluster_cases
+
+    cluster_cases.case_cluster(report, spec, runs, url, worker_timeout)
 
 
 if __name__ == "__main__":

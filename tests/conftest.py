@@ -20,7 +20,13 @@ BROKER_REDIS_URL = os.environ.get("SINGLETON_TEST_BROKER_REDIS_URL", "redis://12
 
 #: The Redis Cluster leg starts its own 6-node cluster: selected with ``-m redis_cluster`` (tox
 #: env ``redis-cluster``), left out elsewhere.
-BACKENDS = ["memory", "sqlite", "redis", "postgres", pytest.param("redis-cluster", marks=pytest.mark.redis_cluster)]
+BACKENDS = [
+    "memory",
+    "sqlite",
+    "redis",
+    "postgres",
+    pytest.param("redis-cluster", marks=pytest.mark.redis_cluster),
+]
 
 
 @pytest.fixture(scope="session")

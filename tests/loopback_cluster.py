@@ -45,8 +45,8 @@ class LoopbackCluster:
         for port in self.ports:
             self._wait_ping(port)
         subprocess.run(
-            [cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports)]
-            + ["--cluster-replicas", "1", "--cluster-yes"],
+            [cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports), "--cluster-replicas", "1"]
+            + ["--cluster-yes"],
             check=True,
             capture_output=True,
             timeout=60,
@@ -56,12 +56,15 @@ class LoopbackCluster:
     def start_node(self, port: int, server: str | None = None) -> None:
         node_dir = self.folder / str(port)
         node_dir.mkdir(parents=True, exist_ok=True)
-        log = open(node_dir / "redis.log", "ab")  # noqa: SIM115 - the server writes it while it runs
+        log = open(node_dir / "redis.log", "ab")  # the server writes it while it runs
         self.processes[port] = subprocess.Popen(
-            [server or require_executable("redis-server"), "--port", str(port), "--bind", "127.0.0.1"]
-            + ["--cluster-enabled", "yes", "--cluster-config-file", str(node_dir / "nodes.conf")]
-            + ["--cluster-node-timeout", str(NODE_TIMEOUT_MS), "--dir", str(node_dir)]
-            + ["--save", "", "--appendonly", "no", "--daemonize", "no"],
+            [
+                server or require_executable("redis-server"),
+                *("--port", str(port), "--bind", "127.0.0.1"),
+                *("--cluster-enabled", "yes", "--cluster-config-file", str(node_dir / "nodes.conf")),
+                *("--cluster-node-timeout", str(NODE_TIMEOUT_MS), "--dir", str(node_dir)),
+                *("--save", "", "--appendonly", "no", "--daemonize", "no"),
+            ],
             stdout=log,
             stderr=subprocess.STDOUT,
         )
@@ -82,17 +85,24 @@ class LoopbackCluster:
         return [port for port, process in self.processes.items() if process.poll() is None]
 
     def wait_ok(self, timeout: float = 30.0) -> None:
-        """Until every live node reports ``cluster_state:ok`` and the same slot owners."""
+        """Until every live node reports ``cluster_state:ok`` and the same slot owners, and every
+        replica's link to its primary is up."""
         deadline = time.monotonic() + timeout
         while True:
             try:
-                states, layouts = set(), set()
+                states, layouts, links = set(), set(), set()
                 for port in self.live_ports():
                     client = redis.Redis(port=port, socket_timeout=1)
                     states.add(client.cluster("info")["cluster_state"])
-                    layouts.add(tuple(sorted((s[0], s[2][1]) for s in client.execute_command("CLUSTER SLOTS"))))
+                    # A replica that never synced with its primary cannot be promoted.
+                    replication = client.info("replication")
+                    if replication["role"] == "slave":
+                        links.add(replication["master_link_status"])
+                    layouts.add(
+                        tuple(sorted((s[0], s[2][1]) for s in client.execute_command("CLUSTER SLOTS")))
+                    )
                     client.close()
-                if states == {"ok"} and len(layouts) == 1:
+                if states == {"ok"} and len(layouts) == 1 and links <= {"up"}:
                     return
             except redis.exceptions.RedisError:
                 pass
@@ -113,7 +123,7 @@ class LoopbackCluster:
         raise LookupError(slot)
 
     def keys_on_distinct_primaries(self, prefix_of: Callable[[str], bytes], count: int) -> dict[str, int]:
-        """``count`` key names ``k0``, ``k1``, ... whose slots ``count`` different primaries serve: name -> port."""
+        """``count`` key names ``k0``, ``k1``, ... on ``count`` different primaries: name -> port."""
         chosen: dict[str, int] = {}
         for number in range(10_000):
             key = f"k{number}"
@@ -127,7 +137,9 @@ class LoopbackCluster:
     def primary_ports(self) -> list[int]:
         client = redis.Redis(port=self.live_ports()[0], socket_timeout=2)
         try:
-            return sorted({int(primary[1]) for _s, _e, primary, *_ in client.execute_command("CLUSTER SLOTS")})
+            return sorted(
+                {int(primary[1]) for _s, _e, primary, *_ in client.execute_command("CLUSTER SLOTS")}
+            )
         finally:
             client.close()
 

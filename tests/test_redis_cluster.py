@@ -40,7 +40,9 @@ def store(redis_cluster: LoopbackCluster) -> Iterator[RedisClusterStore]:
     made.close()
 
 
-def keys_on_distinct_primaries(store: RedisClusterStore, cluster: LoopbackCluster, count: int = 3) -> dict[str, int]:
+def keys_on_distinct_primaries(
+    store: RedisClusterStore, cluster: LoopbackCluster, count: int = 3
+) -> dict[str, int]:
     return cluster.keys_on_distinct_primaries(lambda key: store._prefix(SCOPE, key), count)
 
 
@@ -78,18 +80,31 @@ def test_inspect_and_operator_release_reach_every_primary(
         store.claim(RunSpec(SCOPE, key, f"holder-{key}"), 0, None)
         assert store.claim(RunSpec(SCOPE, key, f"waiter-{key}"), 0, b"w").decision is Decision.GATED
     runner = CliRunner()
-    shown = runner.invoke(cli, ["inspect", "--json", "--store", redis_cluster.url, "--namespace", store.namespace])
+    shown = runner.invoke(
+        cli, ["inspect", "--json", "--store", redis_cluster.url, "--namespace", store.namespace]
+    )
     assert shown.exit_code == 0, shown.output
     document = json.loads(shown.output)
     assert sorted(k["key"] for k in document["keys"]) == sorted(keys)
     # Release each holder by run id alone: the store finds it on whichever primary serves its key.
     for key in keys:
         released = runner.invoke(
-            cli, ["release", f"holder-{key}", "--yes", "--store", redis_cluster.url, "--namespace", store.namespace]
+            cli,
+            [
+                "release",
+                f"holder-{key}",
+                "--yes",
+                "--store",
+                redis_cluster.url,
+                "--namespace",
+                store.namespace,
+            ],
         )
         assert released.exit_code == 0, released.output
     assert {s.key: [h.run_id for h in s.holders] for s in store.snapshot()} == {k: [] for k in keys}
-    assert {s.key: [w.run_id for w in s.waiters] for s in store.snapshot()} == {k: [f"waiter-{k}"] for k in keys}
+    assert {s.key: [w.run_id for w in s.waiters] for s in store.snapshot()} == {
+        k: [f"waiter-{k}"] for k in keys
+    }
 
 
 @cluster
@@ -101,7 +116,9 @@ def test_a_phantom_holder_is_shown_evicted_and_released_on_the_cluster(
     store.claim(RunSpec(SCOPE, key, "ghost", lease=30.0), 0, None)
     gated = store.claim(RunSpec(SCOPE, key, "waiter"), 0, b"w")
     store._client.delete(store._prefix(SCOPE, key) + b"run:ghost")
-    shown = CliRunner().invoke(cli, ["inspect", "--json", "--store", redis_cluster.url, "--namespace", store.namespace])
+    shown = CliRunner().invoke(
+        cli, ["inspect", "--json", "--store", redis_cluster.url, "--namespace", store.namespace]
+    )
     assert shown.exit_code == 0, shown.output
     [entry] = json.loads(shown.output)["keys"]
     assert [(h["run_id"], h["status"]) for h in entry["holders"]] == [("ghost", "phantom")]
@@ -143,7 +160,9 @@ def test_a_slot_moved_to_a_primary_without_the_library_keeps_serving(
     assert redis_cluster.primary_port_of(prefix) == target
     released = store.release(SCOPE, key, "holder", token=holder.token)
     assert released.released and [w.run_id for w in released.wakes] == ["waiter"]
-    assert store.claim(RunSpec(SCOPE, key, "waiter"), gated.generation or 0, b"w").decision is Decision.ADMITTED
+    assert (
+        store.claim(RunSpec(SCOPE, key, "waiter"), gated.generation or 0, b"w").decision is Decision.ADMITTED
+    )
     assert redis.Redis(port=target).exists(prefix + b"meta") == 1
     assert redis.Redis(port=target).function_list() != []
 
@@ -174,7 +193,7 @@ def test_scripts_are_loaded_again_where_a_primary_lost_them(redis_cluster: Loopb
 )
 def test_a_malformed_cluster_url_is_refused_naming_the_value(url: str, what: str) -> None:
     for check in (check_store_url, store_from_url):
-        with pytest.raises(SingletonConfigError, match="malformed store URL|invalid") as raised:
+        with pytest.raises(SingletonConfigError, match=r"malformed store URL|invalid") as raised:
             check(url)
         assert what in str(raised.value)
         assert "s3cret" not in str(raised.value) and "***" in str(raised.value)

@@ -64,9 +64,11 @@ def cluster_seeds(url: str) -> tuple[str, list[tuple[str, int]]]:
     if parts.path.strip("/") not in ("", "0"):
         raise ValueError(f"database {parts.path.strip('/')!r}: a Redis Cluster has only database 0")
     first_host, first_port = seeds[0]
-    netloc = (userinfo + "@" if userinfo else "") + (
-        f"[{first_host}]" if ":" in first_host else first_host
-    ) + f":{first_port}"
+    netloc = (
+        (userinfo + "@" if userinfo else "")
+        + (f"[{first_host}]" if ":" in first_host else first_host)
+        + f":{first_port}"
+    )
     single = urlunsplit((scheme, netloc, "", parts.query, ""))
     redis.connection.parse_url(single)  # type: ignore[no-untyped-call]  # ValueError: a bad option
     return single, seeds
@@ -111,7 +113,7 @@ class _ClusterClient(RedisCluster):
             except _REROUTE:
                 pass  # the routed path below follows the cluster's new layout
         try:
-            return super().execute_command(*args, **kwargs)
+            return super().execute_command(*args, **kwargs)  # type: ignore[no-untyped-call]
         except redis.exceptions.RedisClusterException as error:
             raise redis.exceptions.ConnectionError(f"{type(error).__name__}: {error}") from error
 
@@ -138,14 +140,14 @@ class RedisClusterStore(RedisStore):
     serves its slot, so the nodes' clocks should agree (NTP), as the workers' already must.
     """
 
-    schemes = tuple(CLUSTER_SCHEMES)
+    schemes = ("redis+cluster", "rediss+cluster")
 
     def _connect(self, url: str, redis_options: dict[str, Any]) -> redis.Redis:
         single, seeds = cluster_seeds(url)
         try:
             client = _ClusterClient(
                 url=single,
-                startup_nodes=[ClusterNode(host, port) for host, port in seeds[1:]],
+                startup_nodes=[ClusterNode(host, port) for host, port in seeds[1:]],  # type: ignore[no-untyped-call]
                 **redis_options,
             )
         except (redis.exceptions.RedisClusterException, redis.exceptions.RedisError) as error:
