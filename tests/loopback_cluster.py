@@ -45,8 +45,15 @@ class LoopbackCluster:
         for port in self.ports:
             self._wait_ping(port)
         subprocess.run(
-            [cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports), "--cluster-replicas", "1"]
-            + ["--cluster-yes"],
+            [
+                cli,
+                "--cluster",
+                "create",
+                *(f"127.0.0.1:{p}" for p in self.ports),
+                "--cluster-replicas",
+                "1",
+                "--cluster-yes",
+            ],
             check=True,
             capture_output=True,
             timeout=60,
