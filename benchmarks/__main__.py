@@ -10,9 +10,11 @@ from pathlib import Path
 
 import click
 
-from .common import SIZES, THREADS, Report, quiet_framework_logs, render
+from .common import SIZES, THREADS, Report, Size, quiet_framework_logs, render
 
-CASES = ("noop", "burst", "handoff", "roundtrips", "admission", "postgres", "backline", "celery", "growth")
+CASES = (
+    "noop", "burst", "handoff", "roundtrips", "admission", "postgres", "backline", "celery", "growth", "cluster"
+)
 
 
 def machine() -> str:
@@ -75,6 +77,14 @@ def _versions() -> str:
     default=None,
     help="Write PNG charts here (needs the 'bench' extra: matplotlib).",
 )
+@click.option(
+    "--cluster-url",
+    envvar="BENCH_CLUSTER_URL",
+    default=None,
+    metavar="URL",
+    help="redis+cluster:// store for case 10 [env BENCH_CLUSTER_URL; default: a loopback cluster "
+    "started on ports 7101-7106 for the case].",
+)
 def main(
     size: str,
     cases: str,
@@ -83,6 +93,7 @@ def main(
     worker_timeouts: str,
     stores: str,
     plot_dir: Path | None,
+    cluster_url: str | None,
 ) -> None:
     """Measure singleton-tasks against plain Dramatiq/Celery and the tools used today."""
     chosen = [c.strip() for c in cases.split(",") if c.strip()]
@@ -115,6 +126,7 @@ def main(
         "backline": lambda: dq.case_backline(report, spec, 1 if size != "medium" else min(runs, 3), timeouts),
         "celery": lambda: _celery(report, spec, slow_runs, kinds),
         "growth": lambda: _growth(report, spec, growth_stores),
+        "cluster": lambda: _cluster(report, spec, slow_runs, cluster_url, timeouts[-1]),
     }
     started = time.perf_counter()
     for name in CASES:
@@ -145,6 +157,10 @@ def _growth(report: Report, spec: object, stores: list[str]) -> None:
     from . import growth_cases
 
     growth_cases.case_growth(report, spec, stores)  # type: ignore[arg-type]
+def _cluster(report: Report, spec: Size, runs: int, url: str | None, worker_timeout: int) -> None:
+    from . import cluster_cases
+
+    cluster_cases.case_cluster(report, spec, runs, url, worker_timeout)
 
 
 if __name__ == "__main__":

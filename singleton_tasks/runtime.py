@@ -208,6 +208,7 @@ class Gatekeeper:
             "MemoryStore",
             "SQLiteStore",
             "RedisStore",
+            "RedisClusterStore",
         ):
             store.migrate()
         store.check_schema()

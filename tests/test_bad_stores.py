@@ -40,7 +40,7 @@ from singleton_tasks.dramatiq import ConfigError, SingletonMiddleware
 from singleton_tasks.runtime import STORE_ENV
 from singleton_tasks.stores import SCHEMA_VERSION
 
-KNOWN = "['memory', 'postgres', 'postgresql', 'redis', 'rediss', 'sqlite']"
+KNOWN = "['memory', 'postgres', 'postgresql', 'redis', 'redis+cluster', 'rediss', 'rediss+cluster', 'sqlite']"
 
 #: URLs refused by their scheme or syntax: (url, what the error must name).
 BAD_URLS = {
@@ -49,6 +49,8 @@ BAD_URLS = {
     "no-scheme": ("localhost:6379", "malformed store URL"),
     "sqlite-two-slashes": ("sqlite://x.db", "malformed SQLite store URL"),
     "bad-port": ("redis://app:s3cret@localhost:6379x/0", "malformed store URL"),
+    "cluster-bad-port": ("redis+cluster://app:s3cret@h1:7101,h2:71o2", "port '71o2' is not a number"),
+    "cluster-database": ("rediss+cluster://app:s3cret@h1:7101/2", "a Redis Cluster has only database 0"),
 }
 
 
@@ -90,6 +92,9 @@ CASES = {
         for name, (url, _what) in BAD_URLS.items()
     },
     "redis-refused": Case(lambda _p, _f: "redis://127.0.0.1:1/0", None, StoreUnavailableError, 2.0),
+    "redis-cluster-refused": Case(
+        lambda _p, _f: "redis+cluster://app:s3cret@127.0.0.1:1,127.0.0.1:2", None, StoreUnavailableError, 2.0
+    ),
     "redis-silent": Case(
         lambda p, _f: f"redis://127.0.0.1:{p}/0?socket_connect_timeout=1&socket_timeout=1",
         None,

@@ -18,6 +18,8 @@ STORE_CLASSES: dict[str, str] = {
     "sqlite": "singleton_tasks.stores.sqlite:SQLiteStore",
     "redis": "singleton_tasks.stores.redis:RedisStore",
     "rediss": "singleton_tasks.stores.redis:RedisStore",
+    "redis+cluster": "singleton_tasks.stores.redis_cluster:RedisClusterStore",
+    "rediss+cluster": "singleton_tasks.stores.redis_cluster:RedisClusterStore",
     "postgresql": "singleton_tasks.stores.postgres:PostgresStore",
     "postgres": "singleton_tasks.stores.postgres:PostgresStore",
 }
@@ -65,6 +67,12 @@ def _check_redis(url: str) -> None:
     redis.connection.parse_url(url)  # type: ignore[no-untyped-call]  # ValueError: a bad port or option
 
 
+def _check_redis_cluster(url: str) -> None:
+    from .redis_cluster import cluster_seeds
+
+    cluster_seeds(url)  # ValueError: no host, a bad port, a database other than 0, a bad option
+
+
 def _check_postgres(url: str) -> None:
     import psycopg.conninfo
 
@@ -79,6 +87,8 @@ _URL_CHECKS: dict[str, Callable[[str], None]] = {
     "sqlite": _check_sqlite,
     "redis": _check_redis,
     "rediss": _check_redis,
+    "redis+cluster": _check_redis_cluster,
+    "rediss+cluster": _check_redis_cluster,
     "postgresql": _check_postgres,
     "postgres": _check_postgres,
 }
@@ -94,7 +104,7 @@ def check_store_url(url: str) -> str:
     scheme = _scheme(url)
     _store_module(scheme)
     try:
-        if scheme != "memory":
+        if scheme != "memory" and "," not in urlsplit(url).netloc:  # a host list: its own check
             urlsplit(url).port  # noqa: B018 - raises ValueError on a port that is not a number
         check = _URL_CHECKS.get(scheme)
         if check is not None:

@@ -303,10 +303,7 @@ class RedisStore(Store):
             # A hung server must fail an operation (StoreUnavailableError), not block it forever.
             redis_options.setdefault("socket_timeout", 5.0)
             redis_options.setdefault("socket_connect_timeout", 5.0)
-            self._client: redis.Redis = redis.Redis.from_url(url, **redis_options)
-            # Connections are made lazily: build one (unconnected) now so a bad option fails here.
-            pool = self._client.connection_pool
-            pool.connection_class(**pool.connection_kwargs)
+            self._client: redis.Redis = self._connect(url, redis_options)
         except (ValueError, TypeError) as error:
             # The driver's message may quote the URL: never let it show the password.
             detail, password = str(error), _password(url)
@@ -319,6 +316,14 @@ class RedisStore(Store):
         self._ns = _text(self.namespace)
         self._ns_colon = self._ns + b":"
         self._threads = threading.local()
+
+    def _connect(self, url: str, redis_options: dict[str, Any]) -> redis.Redis:
+        """The client for ``url`` (the cluster store makes a cluster client here)."""
+        client = redis.Redis.from_url(url, **redis_options)
+        # Connections are made lazily: build one (unconnected) now so a bad option fails here.
+        pool = client.connection_pool
+        pool.connection_class(**pool.connection_kwargs)
+        return client
 
     # -- keys ---------------------------------------------------------------------------------
 

@@ -63,6 +63,7 @@ SINGLETONS: dict[str, dict[str, Any]] = {
     "record": {"key": "{key}"},
     "pair": {"key": "{key}", "limit": 2},
     "capped": {"key": "{key}", "max_queue_depth": 2},
+    "leased": {"key": "{key}", "lease": 3.0},  # the shortest lease: bodies can outlast it many times
 }
 
 

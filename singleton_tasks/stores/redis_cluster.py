@@ -1,0 +1,203 @@
+"""``redis+cluster://`` / ``rediss+cluster://``: the Redis store on a Redis Cluster.
+
+The rules, scripts and data layout are :class:`~singleton_tasks.stores.redis.RedisStore`'s: all
+data of one scope+key lives under one hash tag, so every per-key call touches one slot and runs
+on the primary that serves it. What the cluster changes is handled here:
+
+* redis-py's :class:`redis.cluster.RedisCluster` routes each call to its slot's primary and
+  follows ``MOVED``/``ASK``; after a failover or a resharding it refreshes its slot map.
+* The namespace's schema record is one key; the cluster client reads it from whichever primary
+  serves its slot (a worker reads it once, when it opens the store).
+* The heartbeat of many holders is one call per hash slot (a script may only touch one slot).
+* The function library is loaded on every primary (a replica gets it by replication, so a
+  promoted replica has it); a primary that lacks it (a node added by a resharding) makes the
+  call load it on every primary and retry once.
+* Errors of the cluster client that are not ``RedisError`` (no reachable node, a slot not
+  covered) are reported as :class:`~singleton_tasks.errors.StoreUnavailableError`, as an
+  unreachable server is: nothing is admitted while the cluster cannot answer.
+* ``inspect``/``top`` and operator release ``SCAN`` every primary.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any, cast
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+import redis.connection
+import redis.crc
+import redis.exceptions
+from redis.cluster import ClusterNode, RedisCluster
+
+from ..errors import SingletonConfigError, StoreUnavailableError
+from ..outcomes import HeartbeatOutcome, HolderRef
+from .redis import RedisStore, _call_script, _function_library, _no_functions, _text
+
+_SCRIPT_COMMANDS = frozenset({"FCALL", "EVALSHA"})
+
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+
+
+def cluster_seeds(url: str) -> tuple[str, list[tuple[str, int]]]:
+    """A cluster URL as a one-node URL redis-py reads (its options, TLS, credentials) and the seed nodes.
+
+    Raises ValueError naming what is wrong (the caller redacts the URL): no host, a port that is
+    not a number, a database other than 0 (a cluster has only database 0).
+    """
+    parts = urlsplit(url)
+    scheme = CLUSTER_SCHEMES.get(parts.scheme.lower())
+    if scheme is None:
+        raise ValueError(f"expected one of {sorted(CLUSTER_SCHEMES)}, got {parts.scheme!r}")
+    userinfo, _, hosts = parts.netloc.rpartition("@")
+    seeds = []
+    for host_port in hosts.split(","):
+        host, _, port = host_port.strip().rpartition(":") if ":" in host_port else (host_port, "", "6379")
+        host = host.strip("[]")
+        if not host:
+            raise ValueError(f"seed node {host_port!r} has no host (expected host:port[,host:port…])")
+        if not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"seed node {host_port!r}: port {port!r} is not a number in 1-65535")
+        seeds.append((host, int(port)))
+    if parts.path.strip("/") not in ("", "0"):
+        raise ValueError(f"database {parts.path.strip('/')!r}: a Redis Cluster has only database 0")
+    first_host, first_port = seeds[0]
+    netloc = (
+        (userinfo + "@" if userinfo else "")
+        + (f"[{first_host}]" if ":" in first_host else first_host)
+        + f":{first_port}"
+    )
+    single = urlunsplit((scheme, netloc, "", parts.query, ""))
+    redis.connection.parse_url(single)  # type: ignore[no-untyped-call]  # ValueError: a bad option
+    return single, seeds
+
+
+#: Replies after which the routed path is taken: it follows the redirect or waits out the
+#: cluster's change, and refreshes the slot map the direct path reads.
+_REROUTE = (
+    redis.exceptions.AskError,  # MovedError too
+    redis.exceptions.TryAgainError,
+    redis.exceptions.ClusterDownError,
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+    redis.exceptions.RedisClusterException,  # SlotNotCoveredError: the slot map is stale
+)
+
+
+class _ClusterClient(RedisCluster):
+    """redis-py's cluster client, with a direct path for the store's scripts.
+
+    The store's FCALL/EVALSHA go straight to the primary of their keys' slot, on a connection
+    pinned to the calling thread (RedisStore's single-connection call): the routed path costs
+    about twice the client CPU per call, and a worker of many threads is bound by that CPU.
+    A redirect or a failed connection sends the call down the routed path, which follows
+    ``MOVED``/``ASK``, retries ``TRYAGAIN``/cluster-down and refreshes the slot map.
+
+    ``RedisClusterException`` (no node reachable, a slot not covered, ...) does not derive from
+    ``RedisError``; every command passes through ``execute_command``, so translating there lets
+    the store treat it as any other failed call (StoreUnavailableError: fail closed).
+    """
+
+    connection = None  # RedisStore's calls take execute_command: routed here, by slot
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._threads = threading.local()
+
+    def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        if args[0] in _SCRIPT_COMMANDS and not kwargs and int(args[2]) > 0:
+            try:
+                return self._direct(*args)
+            except _REROUTE:
+                pass  # the routed path below follows the cluster's new layout
+        try:
+            return super().execute_command(*args, **kwargs)  # type: ignore[no-untyped-call]
+        except redis.exceptions.RedisClusterException as error:
+            raise redis.exceptions.ConnectionError(f"{type(error).__name__}: {error}") from error
+
+    def _direct(self, command: str, name: str, numkeys: int, *keys_and_args: Any) -> Any:
+        """The call on this thread's connection to the primary of the first key's slot."""
+        node = self.nodes_manager.get_node_from_slot(redis.crc.key_slot(keys_and_args[0]))
+        pool = node.redis_connection.connection_pool
+        threads = self._threads
+        if getattr(threads, "pid", None) != os.getpid():
+            threads.clients, threads.pid = {}, os.getpid()  # a forked child makes its own
+        pinned = threads.clients.get(node.name)
+        if pinned is None or pinned.connection_pool is not pool:
+            pinned = redis.Redis(connection_pool=pool, single_connection_client=True)
+            threads.clients[node.name] = pinned
+        return _call_script(pinned, command.encode(), _text(name), int(numkeys), keys_and_args)
+
+
+class RedisClusterStore(RedisStore):
+    """The gate's rules in Lua on a Redis Cluster (``redis+cluster://host:port[,host:port…]``).
+
+    The seed nodes are where the client first learns the cluster's layout; any reachable one
+    is enough. ``redis_options`` go to :class:`redis.cluster.RedisCluster` (timeouts, TLS
+    settings, ``retry``, ...). Each key's deadlines are decided on the clock of the primary that
+    serves its slot, so the nodes' clocks should agree (NTP), as the workers' already must.
+    """
+
+    schemes = ("redis+cluster", "rediss+cluster")
+
+    def _connect(self, url: str, redis_options: dict[str, Any]) -> redis.Redis:
+        single, seeds = cluster_seeds(url)
+        try:
+            client = _ClusterClient(
+                url=single,
+                startup_nodes=[ClusterNode(host, port) for host, port in seeds[1:]],  # type: ignore[no-untyped-call]
+                **redis_options,
+            )
+        except (redis.exceptions.RedisClusterException, redis.exceptions.RedisError) as error:
+            detail = str(error)
+            password = urlsplit(url).password
+            if password:
+                detail = detail.replace(password, "***")
+            if "Cluster mode is not enabled" in detail:
+                raise SingletonConfigError(
+                    f"{self!r}: the seed node is not a Redis Cluster node (cluster mode is not enabled); "
+                    "a single server takes redis:// or rediss://"
+                ) from None
+            if isinstance(error, redis.exceptions.RedisError) or "cannot be connected" in detail:
+                raise StoreUnavailableError(f"{self!r}: no seed node answered ({detail})") from None
+            raise SingletonConfigError(f"invalid Redis Cluster store {self.url}: {detail}") from None
+        # RedisCluster serves every command the store sends (the same command methods as Redis).
+        return cast(redis.Redis, client)
+
+    def _thread_client(self) -> redis.Redis:
+        # The cluster client keeps a connection pool per node and is safe to share by threads.
+        return self._client
+
+    def _load_library(self, client: redis.Redis) -> bool:
+        """Load the function library on every primary; False if they cannot have functions.
+
+        REPLACE: a primary that has the library already must not stop the others loading it.
+        """
+        try:
+            client.function_load(_function_library()[0], replace=True)
+        except redis.exceptions.ResponseError as error:
+            if _no_functions(error):
+                return False
+            raise
+        return True
+
+    def heartbeat(self, holders: Sequence[HolderRef]) -> HeartbeatOutcome:
+        """One heartbeat call per hash slot (a script's keys must share one slot)."""
+        by_slot: dict[int, list[HolderRef]] = {}
+        for ref in holders:
+            by_slot.setdefault(redis.crc.key_slot(self._prefix(ref.scope, ref.key)), []).append(ref)
+        if len(by_slot) <= 1:
+            return super().heartbeat(holders)
+        outcomes = []
+        for group in by_slot.values():
+            outcomes.append(super().heartbeat(group))
+        # The earliest time any lease was extended from: the leases last at least that long.
+        return HeartbeatOutcome(
+            tuple(run_id for outcome in outcomes for run_id in outcome.lost),
+            min(outcome.store_time for outcome in outcomes),
+        )
+
+
+__all__ = ["CLUSTER_SCHEMES", "RedisClusterStore", "cluster_seeds"]

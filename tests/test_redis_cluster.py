@@ -1,0 +1,218 @@
+"""The Redis store on a 3-primary + 3-replica loopback Redis Cluster (``redis+cluster://``).
+
+The contract suite and the model test run on it from test_contract.py / test_model.py; here is
+what only a cluster has: keys on several primaries in one heartbeat, inspection and operator
+release across every primary, a slot moved to a primary without the function library, and URLs
+that name no reachable seed.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+from click.testing import CliRunner
+from conftest import REDIS_URL
+from loopback_cluster import LoopbackCluster
+
+from singleton_tasks import SingletonConfigError, StoreUnavailableError, store_from_url
+from singleton_tasks.cli import cli
+from singleton_tasks.outcomes import Decision, HolderRef, RunSpec
+from singleton_tasks.stores import check_store_url
+from singleton_tasks.stores.redis_cluster import RedisClusterStore
+from singleton_tasks.testing import require_server
+
+SCOPE = "cluster.task"
+
+
+@pytest.fixture
+def store(redis_cluster: LoopbackCluster) -> Iterator[RedisClusterStore]:
+    made = store_from_url(redis_cluster.url, namespace=f"c{uuid.uuid4().hex[:12]}")
+    assert isinstance(made, RedisClusterStore)
+    made.migrate()
+    yield made
+    for key in list(made._client.scan_iter(match=f"{made.namespace}:*", count=1000)):
+        made._client.delete(key)
+    made.close()
+
+
+def keys_on_distinct_primaries(
+    store: RedisClusterStore, cluster: LoopbackCluster, count: int = 3
+) -> dict[str, int]:
+    return cluster.keys_on_distinct_primaries(lambda key: store._prefix(SCOPE, key), count)
+
+
+cluster = pytest.mark.redis_cluster  # the bad-input tests below need no cluster: every env runs them
+
+
+@cluster
+def test_one_heartbeat_extends_holders_on_three_primaries(
+    store: RedisClusterStore, redis_cluster: LoopbackCluster
+) -> None:
+    """A script may touch one slot only: the batch is split by slot, not sent whole (CROSSSLOT)."""
+    keys = keys_on_distinct_primaries(store, redis_cluster)
+    refs = []
+    for key in keys:
+        spec = RunSpec(SCOPE, key, f"run-{key}", lease=30.0)
+        outcome = store.claim(spec, 0, None)
+        assert outcome.decision is Decision.ADMITTED and outcome.token is not None
+        refs.append(HolderRef(SCOPE, key, spec.run_id, outcome.token))
+    before = {s.key: s.holders[0].lease_expires_at for s in store.snapshot()}
+    time.sleep(0.05)
+    stale = HolderRef(SCOPE, "k0", "nobody", 1)
+    outcome = store.heartbeat([*refs, stale])
+    assert outcome.lost == ("nobody",)
+    after = {s.key: s.holders[0].lease_expires_at for s in store.snapshot()}
+    assert sorted(after) == sorted(keys)
+    assert all(after[key] > before[key] for key in keys), (before, after)
+
+
+@cluster
+def test_inspect_and_operator_release_reach_every_primary(
+    store: RedisClusterStore, redis_cluster: LoopbackCluster
+) -> None:
+    keys = keys_on_distinct_primaries(store, redis_cluster)
+    for key in keys:
+        store.claim(RunSpec(SCOPE, key, f"holder-{key}"), 0, None)
+        assert store.claim(RunSpec(SCOPE, key, f"waiter-{key}"), 0, b"w").decision is Decision.GATED
+    runner = CliRunner()
+    shown = runner.invoke(
+        cli, ["inspect", "--json", "--store", redis_cluster.url, "--namespace", store.namespace]
+    )
+    assert shown.exit_code == 0, shown.output
+    document = json.loads(shown.output)
+    assert sorted(k["key"] for k in document["keys"]) == sorted(keys)
+    # Release each holder by run id alone: the store finds it on whichever primary serves its key.
+    for key in keys:
+        released = runner.invoke(
+            cli,
+            [
+                "release",
+                f"holder-{key}",
+                "--yes",
+                "--store",
+                redis_cluster.url,
+                "--namespace",
+                store.namespace,
+            ],
+        )
+        assert released.exit_code == 0, released.output
+    assert {s.key: [h.run_id for h in s.holders] for s in store.snapshot()} == {k: [] for k in keys}
+    assert {s.key: [w.run_id for w in s.waiters] for s in store.snapshot()} == {
+        k: [f"waiter-{k}"] for k in keys
+    }
+
+
+@cluster
+def test_a_phantom_holder_is_shown_evicted_and_released_on_the_cluster(
+    store: RedisClusterStore, redis_cluster: LoopbackCluster
+) -> None:
+    """A holder whose run hash is gone (lost by a failover) never sticks its key or crashes the CLI."""
+    [key] = keys_on_distinct_primaries(store, redis_cluster, 1)
+    store.claim(RunSpec(SCOPE, key, "ghost", lease=30.0), 0, None)
+    gated = store.claim(RunSpec(SCOPE, key, "waiter"), 0, b"w")
+    store._client.delete(store._prefix(SCOPE, key) + b"run:ghost")
+    shown = CliRunner().invoke(
+        cli, ["inspect", "--json", "--store", redis_cluster.url, "--namespace", store.namespace]
+    )
+    assert shown.exit_code == 0, shown.output
+    [entry] = json.loads(shown.output)["keys"]
+    assert [(h["run_id"], h["status"]) for h in entry["holders"]] == [("ghost", "phantom")]
+    outcome = store.claim(RunSpec(SCOPE, key, "waiter"), gated.generation or 0, b"w")
+    assert outcome.decision is Decision.ADMITTED and outcome.evicted == ("ghost",)
+    store.register(RunSpec(SCOPE, key, "lost"))
+    store._client.delete(store._prefix(SCOPE, key) + b"run:lost")
+    released = store.operator_release("lost")
+    assert released is not None and released.released
+    assert [w.run_id for w in store.snapshot()[0].waiters] == []
+
+
+def _move_slot(cluster: LoopbackCluster, slot: int, source: int, target: int) -> None:
+    """Reshard one slot from one primary to another, keys and all (what redis-cli --cluster does)."""
+    src, dst = redis.Redis(port=source), redis.Redis(port=target)
+    src_id, dst_id = src.execute_command("CLUSTER MYID"), dst.execute_command("CLUSTER MYID")
+    dst.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", src_id)
+    src.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", dst_id)
+    while keys := src.execute_command("CLUSTER GETKEYSINSLOT", slot, 100):
+        src.execute_command("MIGRATE", "127.0.0.1", target, "", 0, 5000, "KEYS", *keys)
+    for port in cluster.primary_ports():
+        redis.Redis(port=port).execute_command("CLUSTER SETSLOT", slot, "NODE", dst_id)
+    cluster.wait_ok()
+
+
+@cluster
+def test_a_slot_moved_to_a_primary_without_the_library_keeps_serving(
+    store: RedisClusterStore, redis_cluster: LoopbackCluster
+) -> None:
+    """MOVED is followed, and a primary that lacks the function library gets it and the call is made again."""
+    [key] = keys_on_distinct_primaries(store, redis_cluster, 1)
+    prefix = store._prefix(SCOPE, key)
+    holder = store.claim(RunSpec(SCOPE, key, "holder"), 0, None)
+    gated = store.claim(RunSpec(SCOPE, key, "waiter"), 0, b"w")
+    source = redis_cluster.primary_port_of(prefix)
+    target = next(port for port in redis_cluster.primary_ports() if port != source)
+    redis.Redis(port=target).function_flush()  # a primary as a resharding adds it: no library
+    _move_slot(redis_cluster, redis.Redis(port=source).cluster("keyslot", prefix), source, target)
+    assert redis_cluster.primary_port_of(prefix) == target
+    released = store.release(SCOPE, key, "holder", token=holder.token)
+    assert released.released and [w.run_id for w in released.wakes] == ["waiter"]
+    assert (
+        store.claim(RunSpec(SCOPE, key, "waiter"), gated.generation or 0, b"w").decision is Decision.ADMITTED
+    )
+    assert redis.Redis(port=target).exists(prefix + b"meta") == 1
+    assert redis.Redis(port=target).function_list() != []
+
+
+@cluster
+def test_scripts_are_loaded_again_where_a_primary_lost_them(redis_cluster: LoopbackCluster) -> None:
+    """Without functions (EVALSHA): NOSCRIPT on a primary loads the script on every primary and retries."""
+    store = store_from_url(redis_cluster.url, namespace=f"c{uuid.uuid4().hex[:12]}", functions=False)
+    try:
+        store.migrate()
+        for port in redis_cluster.primary_ports():
+            redis.Redis(port=port).script_flush()
+        assert store.claim(RunSpec(SCOPE, "k", "r"), 0, None).decision is Decision.ADMITTED
+        assert store.release(SCOPE, "k", "r", token=None).released
+    finally:
+        store.close()
+
+
+# -- bad input (no cluster needed) ----------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("url", "what"),
+    [
+        ("redis+cluster://app:s3cret@127.0.0.1:7101,:7102", "has no host"),
+        ("redis+cluster://app:s3cret@127.0.0.1:7101,127.0.0.1:71x2", "'71x2' is not a number"),
+        ("rediss+cluster://app:s3cret@127.0.0.1:7101/3", "only database 0"),
+        ("redis+cluster://app:s3cret@127.0.0.1:7101?socket_timeout=soon", "socket_timeout"),
+    ],
+)
+def test_a_malformed_cluster_url_is_refused_naming_the_value(url: str, what: str) -> None:
+    for check in (check_store_url, store_from_url):
+        with pytest.raises(SingletonConfigError, match=r"malformed store URL|invalid") as raised:
+            check(url)
+        assert what in str(raised.value)
+        assert "s3cret" not in str(raised.value) and "***" in str(raised.value)
+
+
+def test_a_cluster_url_without_a_reachable_seed_is_unavailable_and_redacted() -> None:
+    url = "redis+cluster://app:s3cret@127.0.0.1:1,127.0.0.1:2"
+    assert check_store_url(url) == "redis+cluster"  # the syntax is fine: no connection here
+    started = time.monotonic()
+    with pytest.raises(StoreUnavailableError, match="no seed node answered") as raised:
+        store_from_url(url)
+    assert time.monotonic() - started < 5
+    message = str(raised.value)
+    assert "127.0.0.1:1,127.0.0.1:2" in message and "s3cret" not in message
+
+
+def test_a_cluster_url_naming_a_standalone_server_is_a_config_error() -> None:
+    require_server(REDIS_URL, "Redis")
+    host = REDIS_URL.split("://", 1)[1].split("/", 1)[0]
+    with pytest.raises(SingletonConfigError, match="not a Redis Cluster node") as raised:
+        store_from_url(f"redis+cluster://{host}", namespace="never")
+    assert f"redis+cluster://{host}" in str(raised.value) and "redis://" in str(raised.value)
