@@ -244,7 +244,9 @@ def store_options(url: str, keywords: dict[str, object]) -> StoreOptions:
     return StoreOptions(
         allow_eviction=_flag("allow_eviction", merged.get("allow_eviction", False), where),
         wait_replicas=None if wait_replicas is None else _count("wait_replicas", wait_replicas, where),
-        wait_timeout_ms=_count("wait_timeout_ms", merged.get("wait_timeout_ms", DEFAULT_WAIT_TIMEOUT_MS), where),
+        wait_timeout_ms=_count(
+            "wait_timeout_ms", merged.get("wait_timeout_ms", DEFAULT_WAIT_TIMEOUT_MS), where
+        ),
     )
 
 
@@ -433,7 +435,11 @@ class RedisStore(Store):
                 detail = type(error).__name__
             raise SingletonConfigError(f"invalid Redis store {self.url}: {detail}") from None
         socket_timeout = self._client.connection_pool.connection_kwargs.get("socket_timeout")
-        if self._wait is not None and socket_timeout and self.options.wait_timeout_ms >= socket_timeout * 1000:
+        if (
+            self._wait is not None
+            and socket_timeout
+            and self.options.wait_timeout_ms >= socket_timeout * 1000
+        ):
             raise SingletonConfigError(
                 f"{self!r}: wait_timeout_ms={self.options.wait_timeout_ms} must be shorter than the "
                 f"socket_timeout ({socket_timeout}s), or every slow WAIT fails as a lost connection"
