@@ -40,7 +40,11 @@ from singleton_tasks.dramatiq import ConfigError, SingletonMiddleware
 from singleton_tasks.runtime import STORE_ENV
 from singleton_tasks.stores import SCHEMA_VERSION
 
-KNOWN = "['memory', 'postgres', 'postgresql', 'redis', 'redis+sentinel', 'rediss', 'rediss+sentinel', 'sqlite']"
+KNOWN = str(
+    sorted(
+        ["memory", "postgres", "postgresql", "redis", "redis+sentinel", "rediss", "rediss+sentinel", "sqlite"]
+    )
+)
 
 #: URLs refused by their scheme or syntax: (url, what the error must name).
 BAD_URLS = {
