@@ -12,7 +12,7 @@ import click
 
 from .common import SIZES, THREADS, Report, quiet_framework_logs, render
 
-CASES = ("noop", "burst", "handoff", "roundtrips", "admission", "postgres", "backline", "celery")
+CASES = ("noop", "burst", "handoff", "roundtrips", "admission", "postgres", "backline", "celery", "replicas")
 
 
 def machine() -> str:
@@ -99,6 +99,7 @@ def main(size: str, cases: str, runs: int, brokers: str, worker_timeouts: str, p
         "postgres": lambda: st.case_postgres(report, spec, runs),
         "backline": lambda: dq.case_backline(report, spec, 1 if size != "medium" else min(runs, 3), timeouts),
         "celery": lambda: _celery(report, spec, slow_runs, kinds),
+        "replicas": lambda: dq.case_replicas(report, spec, slow_runs),
     }
     started = time.perf_counter()
     for name in CASES:
