@@ -306,6 +306,10 @@ def _call_script(
         packed.append(_resp_command([b"WAIT", *wait]))
 
     def call() -> Any:
+        if getattr(conn, "_sock", None) is None:
+            # Reconnect by the connection's own connect(): a Sentinel-managed connection asks the
+            # sentinels for the primary there (send_packed_command would reconnect to the old one).
+            conn.connect()  # type: ignore[no-untyped-call]
         conn.send_packed_command(packed, check_health=False)  # type: ignore[no-untyped-call]
         if wait is None:
             return conn.read_response()
