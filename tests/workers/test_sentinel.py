@@ -191,11 +191,20 @@ def _overlaps(runs: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str
 
 
 def _send_burst(app: App, prefix: str) -> dict[str, list[str]]:
+    """Send the burst; a send refused by the store (its connection dropped by the failover: it fails
+    closed and publishes nothing) is sent again, as a producer would."""
     sent: dict[str, list[str]] = {}
     for i in range(RUNS_PER_KEY):
         for k in range(KEYS):
             key = f"{prefix}-{k}"
-            sent.setdefault(key, []).append(app.record.send(key, f"{key}/{i}", BODY).message_id)
+            for attempt in range(3):
+                try:
+                    message = app.record.send(key, f"{key}/{i}", BODY)
+                    break
+                except StoreUnavailableError:
+                    if attempt == 2:
+                        raise
+            sent.setdefault(key, []).append(message.message_id)
     return sent
 
 
