@@ -291,7 +291,7 @@ def _call_script(
     if conn is None:  # not a single-connection client: take the general path
         call_general = client.fcall if command == b"FCALL" else client.evalsha
         reply = call_general(name.decode(), numkeys, *keys_and_args)
-        return reply if wait is None else (reply, client.execute_command("WAIT", *wait))
+        return reply if wait is None else (reply, client.execute_command("WAIT", *wait))  # type: ignore[no-untyped-call]
     packed = [
         _resp_command(
             [

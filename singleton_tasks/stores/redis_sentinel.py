@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote, urlsplit, urlunsplit
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 import redis.connection
@@ -66,11 +66,8 @@ def parse_sentinel_url(url: str) -> SentinelAddress:
         raise SingletonConfigError(
             f"malformed {where}: the path must be /service_name or /service_name/db, got {parts.path!r}"
         )
-    userinfo = ""
-    if password is not None:
-        userinfo = f"{quote(username or '', safe='')}:{quote(password, safe='')}@"
-    elif username:
-        userinfo = f"{quote(username, safe='')}@"
+    # The userinfo as written (still percent-encoded): redis-py decodes it once.
+    userinfo = parts.netloc.rpartition("@")[0] + "@" if (username or password) else ""
     db = segments[1] if len(segments) == 2 else "0"
     node_url = urlunsplit(("redis", f"{userinfo}{sentinels[0][0]}", f"/{db}", parts.query, ""))
     return SentinelAddress(tuple(sentinels), segments[0], parts.scheme.lower() == "rediss+sentinel", node_url)
@@ -110,7 +107,8 @@ class RedisSentinelStore(RedisStore):
         self._sentinel = redis.sentinel.Sentinel(
             list(address.sentinels), sentinel_kwargs=sentinel_kwargs, **node_options
         )
-        return self._sentinel.master_for(address.service_name, redis_class=redis.Redis)
+        client: redis.Redis = self._sentinel.master_for(address.service_name, redis_class=redis.Redis)
+        return client
 
     def close(self) -> None:
         try:
