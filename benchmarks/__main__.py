@@ -13,7 +13,8 @@ import click
 from .common import SIZES, THREADS, Report, Size, quiet_framework_logs, render
 
 CASES = (
-    "noop", "burst", "handoff", "roundtrips", "admission", "postgres", "backline", "celery", "growth", "cluster"
+    "noop", "burst", "handoff", "roundtrips", "admission", "postgres", "backline", "celery",
+    "growth", "cluster", "replicas",
 )
 
 
@@ -127,6 +128,7 @@ def main(
         "celery": lambda: _celery(report, spec, slow_runs, kinds),
         "growth": lambda: _growth(report, spec, growth_stores),
         "cluster": lambda: _cluster(report, spec, slow_runs, cluster_url, timeouts[-1]),
+        "replicas": lambda: dq.case_replicas(report, spec, slow_runs),
     }
     started = time.perf_counter()
     for name in CASES:

@@ -144,6 +144,30 @@ def private_redis() -> Iterator[tuple[str, bool]]:
     if binary is None:
         yield STORE_REDIS_URL, False
         return
+    with _redis_server(binary) as port:
+        yield f"redis://127.0.0.1:{port}/0", True
+
+
+@contextmanager
+def private_redis_with_replica() -> Iterator[str]:
+    """A throw-away primary with one replica in sync; yields the primary's URL."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError("redis-server is not installed")
+    with _redis_server(binary) as primary, _redis_server(binary, "--replicaof", "127.0.0.1", str(primary)):
+        client = redis.Redis(host="127.0.0.1", port=primary)
+        deadline = time.monotonic() + 20
+        while client.info("replication").get("slave0", {}).get("state") != "online":
+            if time.monotonic() > deadline:
+                raise RuntimeError("the private replica did not sync")
+            time.sleep(0.05)
+        client.close()
+        yield f"redis://127.0.0.1:{primary}/0"
+
+
+@contextmanager
+def _redis_server(binary: str, *args: str) -> Iterator[int]:
+    """A redis-server on a free loopback port, nothing on disk; yields the port, stops it by PID."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -161,18 +185,18 @@ def private_redis() -> Iterator[tuple[str, bool]]:
             "no",
             "--dir",
             workdir,
+            *args,
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
     try:
-        url = f"redis://127.0.0.1:{port}/0"
         deadline = time.monotonic() + 10
-        while not reachable(url, port):
+        while not reachable(f"redis://127.0.0.1:{port}/0", port):
             if time.monotonic() > deadline or proc.poll() is not None:
                 raise RuntimeError("private redis-server did not start")
             time.sleep(0.02)
-        yield url, True
+        yield port
     finally:
         proc.terminate()
         proc.wait(timeout=10)

@@ -41,6 +41,7 @@ from .common import (
     flush_redis,
     percentile,
     private_redis,
+    private_redis_with_replica,
     ratio_to_floor,
     unique,
     wait_until,
@@ -397,6 +398,64 @@ def case_noop(report: Report, size: Size, runs: int) -> None:
     server.close()
     ratio, measured = ratio_to_floor(results)
     report.target("1", "singleton ≥ 0.80× plain throughput", measured, ratio >= 0.80)
+
+
+# -- case 9: wait_replicas ------------------------------------------------------------------
+WAIT_OPTIONS = "wait_replicas=1&wait_timeout_ms=1000"
+
+
+def case_replicas(report: Report, size: Size, runs: int) -> None:
+    """Case 1's no-op runs on a store whose primary has one replica, without and with WAIT."""
+    n = size.noop
+    enqueue: dict[str, list[float]] = {}
+    with private_redis_with_replica() as primary_url:
+        urls = {"no wait": primary_url, "wait_replicas=1": f"{primary_url}?{WAIT_OPTIONS}"}
+
+        def run(variant: str) -> Callable[[], float | None]:
+            def once() -> float:
+                rig = make_rig("redis", "singleton", n, store_url=urls[variant])
+                try:
+                    seconds, _ = send_all(rig, n)
+                    enqueue.setdefault(variant, []).append(n / seconds)
+                    with worker(rig):
+                        t0 = time.perf_counter()
+                        if not rig.recorder.done.wait(300):
+                            raise RuntimeError(f"replicas {variant}: only {len(rig.recorder.spans)}/{n} ran")
+                        t1 = max(s.end for s in rig.recorder.spans)
+                    return n / (t1 - t0)
+                finally:
+                    cleanup(rig)
+
+            return once
+
+        from .common import alternate
+
+        results = alternate(runs, [(variant, run(variant)) for variant in urls])
+    case = f"9 no-op ×{n:,}, store primary with 1 replica"
+    report.add(Row(case, "SingletonMiddleware, no wait", "runs/s", results["no wait"], key="replicas.nowait"))
+    report.add(
+        Row(
+            case,
+            "SingletonMiddleware, wait_replicas=1",
+            "runs/s",
+            results["wait_replicas=1"],
+            baseline="SingletonMiddleware, no wait",
+            key="replicas.wait",
+            note=f"?{WAIT_OPTIONS}: a WAIT behind every write, same round trip",
+        )
+    )
+    report.add(Row(case, "enqueue, no wait", "msgs/s", enqueue["no wait"], key="replicas.enq.nowait"))
+    report.add(
+        Row(
+            case,
+            "enqueue, wait_replicas=1",
+            "msgs/s",
+            enqueue["wait_replicas=1"],
+            baseline="enqueue, no wait",
+            key="replicas.enq.wait",
+            note="register + confirm per send, each acknowledged by the replica",
+        )
+    )
 
 
 # -- case 2: same-key burst -----------------------------------------------------------------

@@ -204,12 +204,8 @@ class Gatekeeper:
     @staticmethod
     def _ensure_schema(store: Store) -> None:
         """Embedded stores create their schema on first use; the others must be migrated."""
-        if store.schema_version() is None and type(store).__name__ in (
-            "MemoryStore",
-            "SQLiteStore",
-            "RedisStore",
-            "RedisClusterStore",
-        ):
+        embedded = {"MemoryStore", "SQLiteStore", "RedisStore"}  # and their subclasses (Sentinel)
+        if store.schema_version() is None and embedded & {cls.__name__ for cls in type(store).__mro__}:
             store.migrate()
         store.check_schema()
 

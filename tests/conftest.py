@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from services import require_server
 from loopback_cluster import LoopbackCluster
+from services import require_server
 
 from singleton_tasks import Store, store_from_url
 

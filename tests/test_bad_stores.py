@@ -40,7 +40,14 @@ from singleton_tasks.dramatiq import ConfigError, SingletonMiddleware
 from singleton_tasks.runtime import STORE_ENV
 from singleton_tasks.stores import SCHEMA_VERSION
 
-KNOWN = "['memory', 'postgres', 'postgresql', 'redis', 'redis+cluster', 'rediss', 'rediss+cluster', 'sqlite']"
+KNOWN = str(
+    sorted(
+        [
+            *("memory", "postgres", "postgresql", "redis", "redis+cluster", "redis+sentinel", "rediss"),
+            *("rediss+cluster", "rediss+sentinel", "sqlite"),
+        ]
+    )
+)
 
 #: URLs refused by their scheme or syntax: (url, what the error must name).
 BAD_URLS = {

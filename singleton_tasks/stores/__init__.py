@@ -20,6 +20,8 @@ STORE_CLASSES: dict[str, str] = {
     "rediss": "singleton_tasks.stores.redis:RedisStore",
     "redis+cluster": "singleton_tasks.stores.redis_cluster:RedisClusterStore",
     "rediss+cluster": "singleton_tasks.stores.redis_cluster:RedisClusterStore",
+    "redis+sentinel": "singleton_tasks.stores.redis_sentinel:RedisSentinelStore",
+    "rediss+sentinel": "singleton_tasks.stores.redis_sentinel:RedisSentinelStore",
     "postgresql": "singleton_tasks.stores.postgres:PostgresStore",
     "postgres": "singleton_tasks.stores.postgres:PostgresStore",
 }
@@ -64,7 +66,20 @@ def _check_sqlite(url: str) -> None:
 def _check_redis(url: str) -> None:
     import redis.connection
 
-    redis.connection.parse_url(url)  # type: ignore[no-untyped-call]  # ValueError: a bad port or option
+    from .redis import split_store_options, store_options
+
+    store_options(url, {})  # the store's own options (allow_eviction, wait_replicas, ...)
+    redis.connection.parse_url(split_store_options(url)[0])  # type: ignore[no-untyped-call]  # ValueError: a bad port or option
+
+
+def _check_redis_sentinel(url: str) -> None:
+    import redis.connection
+
+    from .redis import split_store_options, store_options
+    from .redis_sentinel import parse_sentinel_url
+
+    store_options(url, {})
+    redis.connection.parse_url(parse_sentinel_url(split_store_options(url)[0]).node_url)  # type: ignore[no-untyped-call]
 
 
 def _check_redis_cluster(url: str) -> None:
@@ -82,6 +97,9 @@ def _check_postgres(url: str) -> None:
         raise ValueError(str(error)) from None
 
 
+# Schemes without one port (memory://, several hosts): their own check reads the addresses.
+_MULTI_HOST_SCHEMES = ("memory", "redis+cluster", "rediss+cluster", "redis+sentinel", "rediss+sentinel")
+
 # Syntax checks that need no connection; schemes without one get the generic checks only.
 _URL_CHECKS: dict[str, Callable[[str], None]] = {
     "sqlite": _check_sqlite,
@@ -89,6 +107,8 @@ _URL_CHECKS: dict[str, Callable[[str], None]] = {
     "rediss": _check_redis,
     "redis+cluster": _check_redis_cluster,
     "rediss+cluster": _check_redis_cluster,
+    "redis+sentinel": _check_redis_sentinel,
+    "rediss+sentinel": _check_redis_sentinel,
     "postgresql": _check_postgres,
     "postgres": _check_postgres,
 }
@@ -104,7 +124,7 @@ def check_store_url(url: str) -> str:
     scheme = _scheme(url)
     _store_module(scheme)
     try:
-        if scheme != "memory" and "," not in urlsplit(url).netloc:  # a host list: its own check
+        if scheme not in _MULTI_HOST_SCHEMES:
             urlsplit(url).port  # noqa: B018 - raises ValueError on a port that is not a number
         check = _URL_CHECKS.get(scheme)
         if check is not None:
@@ -124,7 +144,8 @@ def check_store_url(url: str) -> str:
 
 
 def store_from_url(url: str, *, namespace: str = "default", **options: Any) -> Store:
-    """A store for ``url`` (``memory://``, ``sqlite:///path``, ``redis://…``, ``postgresql://…``)."""
+    """A store for ``url`` (``memory://``, ``sqlite:///path``, ``redis://…``, ``redis+sentinel://…``,
+    ``postgresql://…``)."""
     scheme = _scheme(url)
     module = _store_module(scheme)
     store_class: type[Store] = getattr(module, STORE_CLASSES[scheme].split(":")[1])

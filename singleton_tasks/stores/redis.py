@@ -16,13 +16,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import logging
 import os
 import re
 import threading
 from collections.abc import Iterator, Sequence
 from importlib import resources
 from typing import Any, NoReturn
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis
 import redis.exceptions
@@ -45,7 +46,7 @@ from ..outcomes import (
     WaiterView,
     Wake,
 )
-from .base import SCHEMA_VERSION, Clock, Store, snapshot_of
+from .base import SCHEMA_VERSION, Clock, Store, redact_url, snapshot_of
 
 _OPERATIONS = (
     "register",
@@ -59,6 +60,13 @@ _OPERATIONS = (
     "snapshot",
 )
 _GLOB_SPECIAL = re.compile(rb"([*?\[\]\\])")
+#: The store's own options in a Redis URL's query (the rest go to redis-py).
+STORE_QUERY_OPTIONS = ("allow_eviction", "wait_replicas", "wait_timeout_ms")
+#: How long a writing operation waits for its replicas by default (``wait_replicas`` given).
+DEFAULT_WAIT_TIMEOUT_MS = 1000
+_TRUE, _FALSE = ("true", "yes", "1", "on"), ("false", "no", "0", "off")
+
+logger = logging.getLogger("singleton_tasks")
 _TAG_PATTERN = b"{" + b"[0-9a-f]" * 40 + b"}"
 
 
@@ -168,6 +176,84 @@ def _password(url: str) -> str | None:
         return None
 
 
+def split_store_options(url: str) -> tuple[str, dict[str, str]]:
+    """The URL without the store's own query options (:data:`STORE_QUERY_OPTIONS`), and those options.
+
+    redis-py would hand an option it does not know to every connection; these are the store's.
+    """
+    parts = urlsplit(url)
+    if not parts.query:
+        return url, {}
+    ours: dict[str, str] = {}
+    theirs = []
+    for name, value in parse_qsl(parts.query, keep_blank_values=True):
+        if name in STORE_QUERY_OPTIONS:
+            ours[name] = value
+        else:
+            theirs.append((name, value))
+    if not ours:
+        return url, {}
+    return urlunsplit(parts._replace(query=urlencode(theirs))), ours
+
+
+def _flag(name: str, value: object, where: str) -> bool:
+    """A True/False option (``true``/``false`` in a URL)."""
+    if isinstance(value, str) and value.lower() in _TRUE + _FALSE:
+        return value.lower() in _TRUE
+    if isinstance(value, bool):
+        return value
+    raise SingletonConfigError(f"{where}: {name} must be true or false, got {value!r}")
+
+
+def _count(name: str, value: object, where: str) -> int:
+    """A whole number ≥ 1 (digits in a URL)."""
+    number = value
+    if isinstance(value, str) and value.strip().isdigit():
+        number = int(value)
+    if not isinstance(number, int) or isinstance(number, bool) or number < 1:
+        raise SingletonConfigError(f"{where}: {name} must be an integer >= 1, got {value!r}")
+    return number
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreOptions:
+    """The Redis store's own options, from keywords and the URL's query."""
+
+    allow_eviction: bool = False
+    wait_replicas: int | None = None
+    wait_timeout_ms: int = DEFAULT_WAIT_TIMEOUT_MS
+
+
+def store_options(url: str, keywords: dict[str, object]) -> StoreOptions:
+    """Check the store's options given as keywords (``None``: not given) or in the URL's query.
+
+    An option given both ways must agree. SingletonConfigError names the option and the value
+    (the URL redacted); no connection is made.
+    """
+    where = f"Redis store {redact_url(url)}"
+    merged = {name: value for name, value in keywords.items() if value is not None}
+    for name, value in split_store_options(url)[1].items():
+        if name in merged and str(merged[name]).lower() != value.lower():
+            raise SingletonConfigError(
+                f"{where}: {name} is given twice with different values: {merged[name]!r} and {value!r} (URL)"
+            )
+        merged.setdefault(name, value)
+    wait_replicas = merged.get("wait_replicas")
+    if "wait_timeout_ms" in merged and wait_replicas is None:
+        raise SingletonConfigError(f"{where}: wait_timeout_ms needs wait_replicas")
+    return StoreOptions(
+        allow_eviction=_flag("allow_eviction", merged.get("allow_eviction", False), where),
+        wait_replicas=None if wait_replicas is None else _count("wait_replicas", wait_replicas, where),
+        wait_timeout_ms=_count(
+            "wait_timeout_ms", merged.get("wait_timeout_ms", DEFAULT_WAIT_TIMEOUT_MS), where
+        ),
+    )
+
+
+def _as_str(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def _glob_escape(value: bytes) -> bytes:
     return _GLOB_SPECIAL.sub(rb"\\\1", value)
 
@@ -185,30 +271,54 @@ def _resp_command(parts: Sequence[bytes]) -> bytes:
 
 
 def _call_script(
-    client: redis.Redis, command: bytes, name: bytes, numkeys: int, keys_and_args: Sequence[bytes | str]
+    client: redis.Redis,
+    command: bytes,
+    name: bytes,
+    numkeys: int,
+    keys_and_args: Sequence[bytes | str],
+    wait: Sequence[bytes] | None = None,
 ) -> Any:
     """``EVALSHA sha`` or ``FCALL function`` on the client's own connection, with its retry policy.
 
     redis-py's general path (command parsing, observability hooks, a lock, per-argument packing)
     cost about twice the CPU of the call itself, and a worker of many threads is bound by that
     CPU under the GIL. The reply and its errors (NoScriptError, ...) are the same.
+
+    ``wait`` (``WAIT numreplicas timeout``) is sent in the same write, right behind the call:
+    still one round trip. The reply is then ``(the call's reply, replicas that acknowledged)``.
     """
     conn = client.connection
     if conn is None:  # not a single-connection client: take the general path
         call_general = client.fcall if command == b"FCALL" else client.evalsha
-        return call_general(name.decode(), numkeys, *keys_and_args)
-    packed = _resp_command(
-        [
-            command,
-            name,
-            b"%d" % numkeys,
-            *(part if isinstance(part, bytes) else _text(part) for part in keys_and_args),
-        ]
-    )
+        reply = call_general(name.decode(), numkeys, *keys_and_args)
+        return reply if wait is None else (reply, client.execute_command("WAIT", *wait))  # type: ignore[no-untyped-call]
+    packed = [
+        _resp_command(
+            [
+                command,
+                name,
+                b"%d" % numkeys,
+                *(part if isinstance(part, bytes) else _text(part) for part in keys_and_args),
+            ]
+        )
+    ]
+    if wait is not None:
+        packed.append(_resp_command([b"WAIT", *wait]))
 
     def call() -> Any:
-        conn.send_packed_command([packed], check_health=False)  # type: ignore[no-untyped-call]
-        return conn.read_response()
+        if getattr(conn, "_sock", None) is None:
+            # Reconnect by the connection's own connect(): a Sentinel-managed connection asks the
+            # sentinels for the primary there (send_packed_command would reconnect to the old one).
+            conn.connect()  # type: ignore[no-untyped-call]
+        conn.send_packed_command(packed, check_health=False)  # type: ignore[no-untyped-call]
+        if wait is None:
+            return conn.read_response()
+        try:
+            reply = conn.read_response()
+        except redis.exceptions.ResponseError:
+            conn.read_response()  # WAIT's reply: the connection stays in step
+            raise
+        return reply, conn.read_response()
 
     def failed(_error: Exception) -> None:
         conn.disconnect()  # type: ignore[no-untyped-call]
@@ -289,6 +399,9 @@ class RedisStore(Store):
         timings: Timings | None = None,
         clock: Clock | None = None,
         functions: bool = True,
+        allow_eviction: bool | None = None,
+        wait_replicas: int | None = None,
+        wait_timeout_ms: int | None = None,
         **redis_options: Any,
     ) -> None:
         super().__init__(url, namespace=namespace, retention=retention, timings=timings, clock=clock)
@@ -297,19 +410,44 @@ class RedisStore(Store):
         # Cleared at the first call that finds the server or the user without functions.
         self._functions = functions
         self._function_names = _function_library()[1]
+        self.options = store_options(
+            url,
+            {
+                "allow_eviction": allow_eviction,
+                "wait_replicas": wait_replicas,
+                "wait_timeout_ms": wait_timeout_ms,
+            },
+        )
+        # WAIT's arguments, sent behind every writing operation (None: writes do not wait).
+        self._wait: tuple[bytes, bytes] | None = None
+        if self.options.wait_replicas is not None:
+            self._wait = (_int(self.options.wait_replicas), _int(self.options.wait_timeout_ms))
         if redis_options.get("decode_responses"):
             raise SingletonConfigError(f"{self!r}: decode_responses is not supported (payloads are bytes)")
         try:
             # A hung server must fail an operation (StoreUnavailableError), not block it forever.
             redis_options.setdefault("socket_timeout", 5.0)
             redis_options.setdefault("socket_connect_timeout", 5.0)
-            self._client: redis.Redis = self._connect(url, redis_options)
+            self._client: redis.Redis = self._connect(split_store_options(url)[0], redis_options)
         except (ValueError, TypeError) as error:
             # The driver's message may quote the URL: never let it show the password.
             detail, password = str(error), _password(url)
             if password and password in detail:
                 detail = type(error).__name__
             raise SingletonConfigError(f"invalid Redis store {self.url}: {detail}") from None
+        socket_timeout = self._client.connection_pool.connection_kwargs.get("socket_timeout")
+        if (
+            self._wait is not None
+            and socket_timeout
+            and self.options.wait_timeout_ms >= socket_timeout * 1000
+        ):
+            raise SingletonConfigError(
+                f"{self!r}: wait_timeout_ms={self.options.wait_timeout_ms} must be shorter than the "
+                f"socket_timeout ({socket_timeout}s), or every slow WAIT fails as a lost connection"
+            )
+        # The server's eviction policy and replicas, checked at first use (once per store).
+        self._server_checked = False
+        self._server_check_lock = threading.Lock()
         self._scripts: dict[str, Script] = {
             name: self._client.register_script(text) for name, text in _load_scripts().items()
         }
@@ -319,11 +457,86 @@ class RedisStore(Store):
 
     def _connect(self, url: str, redis_options: dict[str, Any]) -> redis.Redis:
         """The client for ``url`` (the cluster store makes a cluster client here)."""
-        client = redis.Redis.from_url(url, **redis_options)
+        client = self._make_client(url, redis_options)
         # Connections are made lazily: build one (unconnected) now so a bad option fails here.
         pool = client.connection_pool
         pool.connection_class(**pool.connection_kwargs)
         return client
+
+    def _make_client(self, url: str, redis_options: dict[str, Any]) -> redis.Redis:
+        """The client of every operation (a subclass finds its server another way: Sentinel)."""
+        return redis.Redis.from_url(url, **redis_options)
+
+    # -- the server, checked at first use -----------------------------------------------------
+
+    def _check_server_once(self) -> None:
+        """Refuse an evicting server, and ``wait_replicas`` above the replicas present, at first use.
+
+        Runs before the first operation of this store object (the adapters' first send, a worker's
+        boot); a refusal is raised again at every use, a check that could not reach the server is
+        made again at the next.
+        """
+        if self._server_checked:
+            return
+        with self._server_check_lock:
+            if not self._server_checked:
+                try:
+                    self._check_server(self._client)
+                except redis.exceptions.RedisError as error:
+                    self._fail(error)
+                self._server_checked = True
+
+    def _check_server(self, client: redis.Redis) -> None:
+        """The checks of one server (a subclass with several primaries calls it on each)."""
+        policy = self._eviction_policy(client)
+        if policy is None:
+            logger.warning(
+                "%r: could not read the server's maxmemory-policy (CONFIG GET and INFO memory are "
+                "refused to this user); if it is allkeys-*, Redis may evict the store's keys under "
+                "memory pressure and two runs of one key can then hold it at once: use noeviction",
+                self,
+            )
+        elif policy.startswith("allkeys-") and not self.options.allow_eviction:
+            raise SingletonConfigError(
+                f"{self!r}: the server's maxmemory-policy is {policy}: under memory pressure Redis "
+                "would evict the store's keys (a running holder's slot, the key's token) and admit a "
+                "second run of a key while the first runs. Set maxmemory-policy noeviction, or give "
+                "the store a dedicated Redis; allow_eviction=true accepts that risk. Nothing was written"
+            )
+        if self._wait is not None:
+            wait_replicas = self.options.wait_replicas or 0
+            replicas = int(client.info("replication").get("connected_slaves", 0))
+            if wait_replicas > replicas:
+                raise SingletonConfigError(
+                    f"{self!r}: wait_replicas={wait_replicas} but the primary has {replicas} connected "
+                    "replica(s): every write would fail. Nothing was written"
+                )
+
+    @staticmethod
+    def _eviction_policy(client: redis.Redis) -> str | None:
+        """``maxmemory-policy`` by CONFIG GET, or from INFO memory where CONFIG is refused or
+        renamed (managed services); None if neither answers."""
+        try:
+            reply = client.config_get("maxmemory-policy")
+            for name, value in reply.items():
+                if _as_str(name) == "maxmemory-policy":
+                    return _as_str(value)
+        except redis.exceptions.ResponseError:
+            pass
+        try:
+            policy = client.info("memory").get("maxmemory_policy")
+        except redis.exceptions.ResponseError:
+            return None
+        return None if policy is None else _as_str(policy)
+
+    def _check_acknowledged(self, acknowledged: int) -> None:
+        """``wait_replicas`` not reached: the write is on the primary only, and may be lost by a failover."""
+        if self.options.wait_replicas is not None and acknowledged < self.options.wait_replicas:
+            raise StoreUnavailableError(
+                f"{self!r}: only {acknowledged} of wait_replicas={self.options.wait_replicas} replicas "
+                f"acknowledged the write within {self.options.wait_timeout_ms} ms; it is applied on the "
+                "primary but may not survive a failover"
+            )
 
     # -- keys ---------------------------------------------------------------------------------
 
@@ -374,30 +587,43 @@ class RedisStore(Store):
         return self._eval(name, len(keys), *keys, *args)
 
     def _eval(self, name: str, numkeys: int, *keys_and_args: bytes | str) -> Any:
-        """One FCALL, or one EVALSHA where the server has no functions for us.
+        """One FCALL, or one EVALSHA where the server has no functions for us; with
+        ``wait_replicas``, a writing operation's WAIT rides in the same round trip."""
+        wait = None if name == "snapshot" else self._wait
+        if wait is None:
+            return self._call(name, numkeys, keys_and_args, None)
+        reply, acknowledged = self._call(name, numkeys, keys_and_args, wait)
+        self._check_acknowledged(int(acknowledged))
+        return reply
+
+    def _call(
+        self, name: str, numkeys: int, keys_and_args: Sequence[bytes | str], wait: Sequence[bytes] | None
+    ) -> Any:
+        """The call, by FCALL or EVALSHA (and WAIT behind it when ``wait`` is given).
 
         The library (or the script) is loaded once more when the server does not know it (a
-        new, restarted or flushed server), and the call is made again: nothing ran the first time.
+        new, restarted or flushed server, a replica just promoted), and the call is made again:
+        nothing ran the first time.
         """
         try:
             client = self._thread_client()
             if self._functions:
                 function = self._function_names[name]
                 try:
-                    return _call_script(client, b"FCALL", function, numkeys, keys_and_args)
+                    return _call_script(client, b"FCALL", function, numkeys, keys_and_args, wait)
                 except redis.exceptions.ResponseError as error:
                     if _function_missing(error):
                         if self._load_library(client):
-                            return _call_script(client, b"FCALL", function, numkeys, keys_and_args)
+                            return _call_script(client, b"FCALL", function, numkeys, keys_and_args, wait)
                     elif not _no_functions(error):
                         raise
                     self._functions = False
             script = self._scripts[name]
             try:
-                return _call_script(client, b"EVALSHA", script.sha.encode(), numkeys, keys_and_args)
+                return _call_script(client, b"EVALSHA", script.sha.encode(), numkeys, keys_and_args, wait)
             except redis.exceptions.NoScriptError:
                 script.sha = client.script_load(script.script)
-                return _call_script(client, b"EVALSHA", script.sha.encode(), numkeys, keys_and_args)
+                return _call_script(client, b"EVALSHA", script.sha.encode(), numkeys, keys_and_args, wait)
         except redis.exceptions.RedisError as error:
             self._fail(error)
 
@@ -424,6 +650,7 @@ class RedisStore(Store):
         threads = self._threads
         client: redis.Redis | None = getattr(threads, "client", None)
         if client is None or threads.pid != os.getpid():
+            self._check_server_once()
             client = redis.Redis(connection_pool=self._client.connection_pool, single_connection_client=True)
             threads.client, threads.pid = client, os.getpid()
         return client
@@ -542,6 +769,7 @@ class RedisStore(Store):
     def _scan(self, suffix: bytes) -> Iterator[bytes]:
         """Every key ``<namespace>:{<digest>}:<suffix>`` (glob characters in it escaped)."""
         pattern = _glob_escape(self._ns) + b":" + _TAG_PATTERN + b":" + _glob_escape(suffix)
+        self._check_server_once()
         try:
             yield from self._client.scan_iter(match=pattern, count=1000)
         except redis.exceptions.RedisError as error:
@@ -612,6 +840,7 @@ class RedisStore(Store):
     # -- schema and lifecycle -----------------------------------------------------------------
 
     def schema_version(self) -> int | None:
+        self._check_server_once()
         try:
             value = self._client.get(self._schema_key)
         except redis.exceptions.RedisError as error:
@@ -627,6 +856,7 @@ class RedisStore(Store):
         self._write_schema_version(version)
 
     def _write_schema_version(self, version: int | None) -> None:
+        self._check_server_once()
         try:
             if version is None:
                 self._client.delete(self._schema_key)

@@ -34,6 +34,7 @@ class AppConfig:
     log_url: str
     log_key: str
     retry_delay: float = 0.3
+    lease: float = 60.0
 
     def env(self) -> dict[str, str]:
         return {f"SINGLETON_APP_{name.upper()}": str(value) for name, value in self.__dict__.items()}
@@ -44,6 +45,7 @@ class AppConfig:
             name: os.environ[f"SINGLETON_APP_{name.upper()}"] for name in cls.__annotations__
         }
         values["retry_delay"] = float(values["retry_delay"])
+        values["lease"] = float(values["lease"])
         return cls(**values)
 
 
@@ -81,7 +83,11 @@ def build(config: AppConfig) -> tuple[dramatiq.Broker, dict[str, dramatiq.Actor[
     broker.add_middleware(DeliveryLog(log, config.log_key))
     broker.add_middleware(
         SingletonMiddleware(
-            config.store, namespace=config.namespace, retry_delay=config.retry_delay, retry_jitter=0.0
+            config.store,
+            namespace=config.namespace,
+            retry_delay=config.retry_delay,
+            retry_jitter=0.0,
+            lease=config.lease,
         )
     )
     broker.add_middleware(Results(backend=RedisBackend(client=log, namespace=config.log_key)))
