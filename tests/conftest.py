@@ -21,13 +21,7 @@ BROKER_REDIS_URL = os.environ.get("SINGLETON_TEST_BROKER_REDIS_URL", "redis://12
 
 #: The Redis Cluster leg starts its own 6-node cluster: selected with ``-m redis_cluster`` (tox
 #: env ``redis-cluster``), left out elsewhere.
-BACKENDS = [
-    "memory",
-    "sqlite",
-    "redis",
-    "postgres",
-    pytest.param("redis-cluster", marks=pytest.mark.redis_cluster),
-]
+BACKENDS = ["memory", "sqlite", "redis", "postgres", "redis-cluster"]
 
 
 @pytest.fixture(scope="session")
@@ -63,7 +57,9 @@ StoreFactory = Callable[..., Store]
 
 def backend_params(backends: list[str]) -> list[Any]:
     """Each backend as a parameter carrying its mark, so ``-m redis`` selects the Redis legs."""
-    return [pytest.param(name, marks=getattr(pytest.mark, name), id=name) for name in backends]
+    return [
+        pytest.param(name, marks=getattr(pytest.mark, name.replace("-", "_")), id=name) for name in backends
+    ]
 
 
 @pytest.fixture(params=backend_params(BACKENDS))

@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
-
-from singleton_tasks.testing import require_executable
+from services import require_executable
 
 #: Loopback ports of the cluster nodes (their cluster bus ports are these + 10000).
 PORTS = tuple(range(7101, 7107))

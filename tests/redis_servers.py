@@ -10,8 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import redis
-
-from singleton_tasks.testing import require_executable
+from services import require_executable
 
 
 class RedisProcess:

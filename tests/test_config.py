@@ -208,7 +208,7 @@ def test_key_function_gets_the_tasks_own_arguments() -> None:
 # ---------------------------------------------------------------------------- store URLs
 
 
-KNOWN = ["memory", "postgresql", "redis", "redis+sentinel", "sqlite"]
+KNOWN = ["memory", "postgresql", "redis", "redis+cluster", "redis+sentinel", "sqlite"]
 
 
 @pytest.mark.parametrize("url", ["nosuch://host/db", "mysql://u@h/db", "http://127.0.0.1/"])
@@ -216,7 +216,8 @@ def test_unknown_scheme_lists_the_known_ones(url: str) -> None:
     with pytest.raises(SingletonConfigError) as caught:
         store_from_url(url)
     assert all(scheme in str(caught.value) for scheme in KNOWN), caught.value
-    assert sorted(STORE_CLASSES) == sorted({*KNOWN, "postgres", "rediss", "rediss+sentinel"})
+    tls = {"rediss", "rediss+cluster", "rediss+sentinel"}
+    assert sorted(STORE_CLASSES) == sorted({*KNOWN, "postgres", *tls})
 
 
 @pytest.mark.parametrize("url", ["", "redis", "127.0.0.1:6379", "redis:/127.0.0.1", "://nothing"])

@@ -18,13 +18,13 @@ import redis
 from click.testing import CliRunner
 from conftest import REDIS_URL
 from loopback_cluster import LoopbackCluster
+from services import require_server
 
 from singleton_tasks import SingletonConfigError, StoreUnavailableError, store_from_url
 from singleton_tasks.cli import cli
 from singleton_tasks.outcomes import Decision, HolderRef, RunSpec
 from singleton_tasks.stores import check_store_url
 from singleton_tasks.stores.redis_cluster import RedisClusterStore
-from singleton_tasks.testing import require_server
 
 SCOPE = "cluster.task"
 

@@ -435,7 +435,7 @@ class RedisStore(Store):
             if password and password in detail:
                 detail = type(error).__name__
             raise SingletonConfigError(f"invalid Redis store {self.url}: {detail}") from None
-        socket_timeout = self._client.connection_pool.connection_kwargs.get("socket_timeout")
+        socket_timeout = redis_options.get("socket_timeout")
         if (
             self._wait is not None
             and socket_timeout
@@ -481,10 +481,15 @@ class RedisStore(Store):
         with self._server_check_lock:
             if not self._server_checked:
                 try:
-                    self._check_server(self._client)
+                    for server in self._servers():
+                        self._check_server(server)
                 except redis.exceptions.RedisError as error:
                     self._fail(error)
                 self._server_checked = True
+
+    def _servers(self) -> list[redis.Redis]:
+        """The servers whose eviction policy and replicas are checked (a cluster: every primary)."""
+        return [self._client]
 
     def _check_server(self, client: redis.Redis) -> None:
         """The checks of one server (a subclass with several primaries calls it on each)."""

@@ -143,6 +143,9 @@ class RedisClusterStore(RedisStore):
     schemes = ("redis+cluster", "rediss+cluster")
 
     def _connect(self, url: str, redis_options: dict[str, Any]) -> redis.Redis:
+        if self._wait is not None:
+            # Each call goes to its slot's primary on a pinned connection, without the WAIT.
+            raise SingletonConfigError(f"{self!r}: wait_replicas is not supported on a Redis Cluster store")
         single, seeds = cluster_seeds(url)
         try:
             client = _ClusterClient(
@@ -165,6 +168,10 @@ class RedisClusterStore(RedisStore):
             raise SingletonConfigError(f"invalid Redis Cluster store {self.url}: {detail}") from None
         # RedisCluster serves every command the store sends (the same command methods as Redis).
         return cast(redis.Redis, client)
+
+    def _servers(self) -> list[redis.Redis]:
+        cluster = cast(_ClusterClient, self._client)
+        return [cluster.get_redis_connection(node) for node in cluster.get_primaries()]  # type: ignore[no-untyped-call]
 
     def _thread_client(self) -> redis.Redis:
         # The cluster client keeps a connection pool per node and is safe to share by threads.
