@@ -232,3 +232,47 @@ def test_dramatiq_6_due_delayed_messages_are_moved_by_consumer_threads() -> None
     finally:
         worker.stop()
     assert threads == [False, True], "the due message is enqueued again by a ConsumerThread"
+
+
+def test_dramatiq_7_a_worker_thread_fetches_past_a_backed_off_redis_consumer() -> None:
+    from conftest import BROKER_REDIS_URL
+    from dramatiq.brokers.redis import RedisBroker
+    from services import require_server
+
+    require_server(BROKER_REDIS_URL, "Redis")
+    broker = RedisBroker(url=BROKER_REDIS_URL, namespace=f"internals-{uuid.uuid4().hex[:8]}", middleware=[])
+    queue = f"q{uuid.uuid4().hex[:8]}"
+    ran = threading.Event()
+
+    @dramatiq.actor(broker=broker, queue_name=queue)
+    def job() -> None:
+        ran.set()
+
+    assert dramatiq_internals.fetch_for_this_worker(queue) == 0, "not a worker thread: nothing fetched"
+    worker = dramatiq.Worker(broker, worker_threads=1, worker_timeout=2_000)
+    worker.start()
+    try:
+        consumer_thread = worker.consumers[queue]
+        pause = threading.Event()  # never set: wait() is a bounded sleep
+        # The consumer finds its queue empty and backs off: 8 misses = a sleep of 0.64–1.28 s.
+        for _ in range(1000):
+            if consumer_thread.consumer is not None and consumer_thread.consumer.misses >= 8:
+                break
+            pause.wait(0.01)
+        consumer = consumer_thread.consumer
+        assert consumer is not None and consumer.misses >= 8
+        sent = job.send()
+        assert dramatiq_internals.fetch_now(worker.consumers, queue) == 1
+        assert sent.message_id in consumer.queued_message_ids  # counted as the consumer's own
+        assert ran.wait(10)
+        for _ in range(500):  # acked through the consumer by the worker thread
+            if not consumer.queued_message_ids:
+                break
+            pause.wait(0.01)
+        assert not consumer.queued_message_ids
+        assert consumer.misses >= 8, "the consumer itself never received the message"
+        assert dramatiq_internals.fetch_now(worker.consumers, queue) == 0  # an empty queue
+        assert dramatiq_internals.fetch_now(worker.consumers, "no-such-queue") == 0
+    finally:
+        worker.stop()
+        broker.close()

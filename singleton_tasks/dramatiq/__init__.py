@@ -50,6 +50,7 @@ from ..stores import Store, redact_url
 from ._internals import (
     QuietSkips,
     connect_publishing_thread,
+    fetch_for_this_worker,
     guard_message_building,
     immediate_copy,
     keep_results_away,
@@ -369,14 +370,27 @@ class SingletonMiddleware(dramatiq.Middleware):
         keep_results_away(message)
 
     def _wake(self, broker: Broker, wakes: Sequence[Wake]) -> None:
-        """Publish woken waiters at once, not after their timers (docs/concepts.md#handoff)."""
+        """Publish woken waiters at once, not after their timers (docs/concepts.md#handoff).
+
+        Then fetch their queues for this worker: a RedisBroker consumer backing off on a quiet
+        queue (up to ``worker_timeout``) would otherwise leave the woken run waiting.
+        """
+        queues: set[str] = set()
         for wake in wakes:
             if wake.payload is None:
                 continue  # never delivered yet: its own message is on its way
             try:
-                broker.enqueue(wake_message(broker, wake))
+                message = wake_message(broker, wake)
+                broker.enqueue(message)
             except Exception:  # its delayed copy re-checks it anyway
                 logger.exception("waking run %s of key %r failed; its timer re-checks", wake.run_id, wake.key)
+                continue
+            queues.add(message.queue_name)
+        for queue in queues:
+            try:
+                fetch_for_this_worker(queue)
+            except Exception as error:  # the consumer fetches it at its next poll
+                logger.warning("fetching woken runs from queue %r failed: %s", queue, error)
 
     # -- body end and settlement -----------------------------------------------------------
     def after_process_message(

@@ -17,6 +17,14 @@ fails when an upgrade changes one of them. Each is needed because Dramatiq offer
    ``store_results`` option is false.
 6. A worker's ``ConsumerThread`` enqueues a delayed message again when it is due (moving it
    from the delay queue): that enqueue continues accepted work and must not register anew.
+7. RedisBroker's consumer (``dramatiq.brokers.redis._RedisConsumer``) sleeps between fetches
+   while its queue is empty, backing off up to ``worker_timeout`` (1 s by default), and nothing
+   wakes it early: a wake published meanwhile waits for its next fetch. A ``WorkerThread`` that
+   publishes a wake fetches for its worker at once, as the consumer would when it wakes
+   (``WorkerThread.consumers`` maps queue names to ``ConsumerThread`` objects; their ``consumer``
+   has ``prefetch``, ``outstanding_message_count``, ``queued_message_ids`` and the broker's
+   ``do_fetch`` script; ``ConsumerThread.handle_message`` puts a fetched message on the work
+   queue, from which worker threads process and ack it through that consumer).
 """
 
 from __future__ import annotations
@@ -31,7 +39,8 @@ from typing import TYPE_CHECKING, Any
 import dramatiq
 from dramatiq.broker import Broker
 from dramatiq.common import q_name
-from dramatiq.worker import ConsumerThread
+from dramatiq.message import Message
+from dramatiq.worker import ConsumerThread, WorkerThread
 
 if TYPE_CHECKING:
     from dramatiq.brokers.rabbitmq import RabbitmqBroker
@@ -118,3 +127,37 @@ def keep_results_away(message: Any) -> None:
 def on_consumer_thread() -> bool:
     """Whether the calling thread is a worker's consumer, which only moves due delayed messages (6.)."""
     return isinstance(threading.current_thread(), ConsumerThread)
+
+
+def fetch_for_this_worker(queue_name: str) -> int:
+    """On a worker thread of a RedisBroker worker: fetch ``queue_name`` now (7.); returns the count.
+
+    Does what the queue's consumer does when its back-off ends: fetch up to its prefetch window,
+    count the messages as its own (acked through it) and put them on the work queue. The release
+    that published a wake thus hands the woken run to this worker at once, whatever its
+    ``worker_timeout``; RabbitMQ pushes deliveries and needs none of it (returns 0).
+    """
+    thread = threading.current_thread()
+    if not isinstance(thread, WorkerThread):
+        return 0  # the heartbeat thread retrying a settlement: the consumer fetches in time
+    return fetch_now(thread.consumers, queue_name)
+
+
+def fetch_now(consumers: dict[str, ConsumerThread], queue_name: str) -> int:
+    """Fetch ``queue_name`` for the worker whose consumer threads are ``consumers`` (7.)."""
+    module = sys.modules.get("dramatiq.brokers.redis")
+    consumer_thread = consumers.get(queue_name)
+    if module is None or consumer_thread is None or consumer_thread.paused or not consumer_thread.running:
+        return 0
+    consumer = consumer_thread.consumer
+    if not isinstance(consumer, module._RedisConsumer):
+        return 0
+    room = consumer.prefetch - consumer.outstanding_message_count
+    if room <= 0:
+        return 0  # the window is full: the consumer fetches when it has room
+    fetched = consumer.broker.do_fetch(queue_name, room)
+    for data in fetched:
+        message = Message.decode(data)
+        consumer.queued_message_ids.add(message.message_id)
+        consumer_thread.handle_message(dramatiq.MessageProxy(message))
+    return len(fetched)

@@ -46,8 +46,8 @@ class App:
         self.log = redis.Redis.from_url(config.log_url)
         self.workers: list[subprocess.Popen[bytes]] = []
 
-    def start_workers(self, count: int = 2, threads: int = 4) -> None:
-        env = {**os.environ, **self.config.env(), "dramatiq_worker_timeout": "100"}
+    def start_workers(self, count: int = 2, threads: int = 4, worker_timeout_ms: int = 100) -> None:
+        env = {**os.environ, **self.config.env(), "dramatiq_worker_timeout": str(worker_timeout_ms)}
         files = []
         for i in range(count):
             path = self.logs / f"worker-{i}.log"
@@ -226,6 +226,27 @@ def test_workers_hand_off_by_wake_not_timer(shared: App) -> None:
     assert runs[-1]["end"] - began < 15
     for before, after in itertools.pairwise(runs):
         assert after["start"] >= before["end"]
+
+
+def test_a_wake_is_fetched_at_once_by_a_redis_worker_backing_off_for_seconds(
+    make_app: Callable[..., App],
+) -> None:
+    """At ``worker_timeout=10000`` the RedisBroker consumer of a quiet queue sleeps for seconds
+    between fetches; the worker thread that publishes a wake fetches it itself, so each handoff
+    takes a fraction of that back-off (docs/concepts.md#handoff)."""
+    if "redis" not in brokers():
+        pytest.skip("RedisBroker only")
+    app = make_app("redis", "redis", retry_delay=30.0)  # the waiters' fallback timer: out of reach
+    app.start_workers(count=1, threads=8, worker_timeout_ms=10_000)
+    key = unique("quiet")
+    sent = [app.record.send(key, f"q{i}", 3.0).message_id for i in range(3)]
+    # One fetch takes all three; while each 3 s body runs, the consumer's back-off grows past
+    # 1.28 s per sleep (5 ms doubling, with jitter), so a wake left to it would wait ~0.3-5 s.
+    app.wait(lambda: len(app.runs(key)) == 3, timeout=40, what="3 runs")
+    runs = sorted(app.runs(key), key=lambda r: r["start"])
+    assert [r["run_id"] for r in runs] == sent
+    gaps = [after["start"] - before["end"] for before, after in itertools.pairwise(runs)]
+    assert all(0 <= gap < 0.3 for gap in gaps), gaps
 
 
 def test_pair_never_exceeds_its_limit(shared: App) -> None:
