@@ -14,7 +14,7 @@ from .common import SIZES, THREADS, Report, Size, quiet_framework_logs, render
 
 CASES = (
     "noop", "burst", "handoff", "roundtrips", "admission", "postgres", "backline", "celery",
-    "growth", "cluster", "replicas",
+    "growth", "cluster", "replicas", "idle",
 )
 
 
@@ -117,10 +117,12 @@ def main(
 
     # Small sizes run fewer repeats of the slow cases: CI only needs the table printed.
     slow_runs = runs if size != "small" else min(runs, 3)
+    # The defaults forms start a `dramatiq` worker process per run: one each at the smallest size.
+    defaults_runs = runs if size != "small" else 1
     steps: dict[str, Callable[[], None]] = {
         "noop": lambda: dq.case_noop(report, spec, slow_runs),
-        "burst": lambda: dq.case_burst(report, spec, slow_runs, kinds, timeouts[-1]),
-        "handoff": lambda: dq.case_handoff(report, spec, kinds, timeouts),
+        "burst": lambda: _burst(report, spec, slow_runs, defaults_runs, kinds, timeouts[-1]),
+        "handoff": lambda: _handoff(report, spec, defaults_runs, kinds, timeouts),
         "roundtrips": lambda: dq.case_round_trips(report, spec),
         "admission": lambda: st.case_admission(report, spec),
         "postgres": lambda: st.case_postgres(report, spec, runs),
@@ -129,6 +131,7 @@ def main(
         "growth": lambda: _growth(report, spec, growth_stores),
         "cluster": lambda: _cluster(report, spec, slow_runs, cluster_url, timeouts[-1]),
         "replicas": lambda: dq.case_replicas(report, spec, slow_runs),
+        "idle": lambda: _idle(report, spec, defaults_runs),
     }
     started = time.perf_counter()
     for name in CASES:
@@ -147,6 +150,26 @@ def main(
 
         for path in write_plots(report, plot_dir):
             click.echo(f"wrote {path}")
+
+
+def _burst(report: Report, spec: Size, runs: int, defaults_runs: int, kinds: list[str], wt: int) -> None:
+    from . import defaults_cases, dramatiq_cases
+
+    dramatiq_cases.case_burst(report, spec, runs, kinds, wt)
+    defaults_cases.case_burst_defaults(report, spec, defaults_runs, kinds)
+
+
+def _handoff(report: Report, spec: Size, defaults_runs: int, kinds: list[str], timeouts: list[int]) -> None:
+    from . import defaults_cases, dramatiq_cases
+
+    dramatiq_cases.case_handoff(report, spec, kinds, timeouts)
+    defaults_cases.case_handoff_defaults(report, spec, defaults_runs, kinds)
+
+
+def _idle(report: Report, spec: Size, runs: int) -> None:
+    from . import defaults_cases
+
+    defaults_cases.case_idle(report, spec, runs)
 
 
 def _celery(report: Report, spec: object, runs: int, kinds: list[str]) -> None:

@@ -505,9 +505,10 @@ def add_burst_rows(
     results: dict[str, list[float]],
     ideal: float,
     orders: BurstOrders,
+    starts: dict[str, str] | None = None,
 ) -> None:
     """The subject's row and target for each way a burst meets its worker (``BURST_STARTS``)."""
-    for start, label in BURST_STARTS.items():
+    for start, label in (starts or BURST_STARTS).items():
         order = orders.note(start)
         report.add(
             Row(
