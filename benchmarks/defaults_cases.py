@@ -302,7 +302,7 @@ def case_idle(report: Report, size: Size, runs: int) -> None:
             baseline="plain Dramatiq",
             higher_is_better=False,
             key="idle.singleton",
-            note=f"store calls/s beside them: {statistics_text(stores['singleton'])} (heartbeat)",
+            note=f"the store's calls/s on the same server: {statistics_text(stores['singleton'])}",
         )
     )
     ratio = median(results["singleton"]) / median(results["plain"])
