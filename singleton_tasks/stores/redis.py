@@ -25,9 +25,13 @@ from importlib import resources
 from typing import Any, NoReturn
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-import redis
-import redis.exceptions
-from redis.commands.core import Script
+try:  # the driver, when installed (Store.check_drivers names the extra otherwise)
+    import redis
+    import redis.connection
+    import redis.exceptions
+    from redis.commands.core import Script
+except ImportError:  # pragma: no cover - the core-only install (tests/test_extras.py)
+    pass
 
 from ..errors import SingletonConfigError, StoreUnavailableError
 from ..gate import KeyMeta, RunRecord, Timings
@@ -388,6 +392,21 @@ class RedisStore(Store):
     """
 
     schemes = ("redis", "rediss")
+    drivers = ("redis",)
+    extra = "redis"
+
+    @classmethod
+    def check_url(cls, url: str) -> None:
+        store_options(url, {})  # the store's own options (allow_eviction, wait_replicas, ...)
+        node_url = cls._node_url(split_store_options(url)[0])
+        super().check_url(node_url)
+        redis.connection.parse_url(node_url)  # type: ignore[no-untyped-call]  # ValueError: a bad option
+
+    @staticmethod
+    def _node_url(url: str) -> str:
+        """The URL redis-py's parser reads (a store of several hosts names one of them)."""
+        return url
+
     clock_source = "server"
 
     def __init__(
