@@ -28,8 +28,9 @@ from __future__ import annotations
 import abc
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from .config import DEFAULT_LEASE, DEFAULT_MAX_RETRY_DELAY, DEFAULT_ORPHAN_TIMEOUT, DEFAULT_RETRY_JITTER
 from .outcomes import (
@@ -87,6 +88,73 @@ class RunRecord:
 
     def copy(self) -> RunRecord:
         return dataclasses.replace(self, live=list(self.live))
+
+
+#: RunRecord's fields in their declared order, the order of :func:`encode_run` and
+#: :func:`decode_run`. The SQL schema (stores/sql/) and the Lua (stores/lua/) name them again:
+#: the contract suite checks every store against these rules.
+RUN_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(RunRecord))
+
+
+def encode_run(run: RunRecord) -> dict[str, object]:
+    """A run's stored values by field name: ``state`` as its value, ``live`` as ``"1,2"``, the
+    rest as they are."""
+    values: dict[str, object] = {name: getattr(run, name) for name in RUN_FIELDS}
+    values["state"] = run.state.value
+    values["live"] = ",".join(str(g) for g in run.live)
+    return values
+
+
+def _optional_float(value: object) -> float | None:
+    return None if value is None or value == b"" or value == "" else float(value)  # type: ignore[arg-type]
+
+
+def decode_run(run_id: str, values: Sequence[Any]) -> RunRecord:
+    """A run from its stored values in :data:`RUN_FIELDS` order after ``run_id``, as a driver
+    returns them: numbers as numbers, text or bytes; booleans as 0/1; ``None`` or empty for none."""
+    (
+        seq,
+        state,
+        created_at,
+        confirmed,
+        generation,
+        live,
+        payload,
+        token,
+        holder_generation,
+        admitted_at,
+        heartbeat_at,
+        lease_expires_at,
+        executing,
+        lease,
+        orphan_timeout,
+        recheck,
+        seen_at,
+        passed_over_at,
+    ) = values
+    if isinstance(live, bytes):
+        live = live.decode()
+    return RunRecord(
+        run_id=run_id,
+        seq=int(seq),
+        state=RunState(state.decode() if isinstance(state, bytes) else state),
+        created_at=float(created_at),
+        confirmed=bool(int(confirmed)),
+        generation=int(generation),
+        live=[int(g) for g in live.split(",") if g] if live else [],
+        payload=None if payload is None else bytes(payload),
+        token=int(token),
+        holder_generation=int(holder_generation),
+        admitted_at=float(admitted_at),
+        heartbeat_at=float(heartbeat_at),
+        lease_expires_at=float(lease_expires_at),
+        executing=bool(int(executing)),
+        lease=float(lease),
+        orphan_timeout=_optional_float(orphan_timeout),
+        recheck=float(recheck),
+        seen_at=float(seen_at),
+        passed_over_at=_optional_float(passed_over_at),
+    )
 
 
 class KeyTransaction(abc.ABC):

@@ -33,6 +33,7 @@ try:  # the driver, when installed (Store.check_drivers names the extra otherwis
 except ImportError:  # pragma: no cover - the core-only install (tests/test_extras.py)
     pass
 
+from .. import gate
 from ..errors import SingletonConfigError, StoreUnavailableError
 from ..gate import KeyMeta, RunRecord, Timings
 from ..outcomes import (
@@ -342,34 +343,11 @@ def _pairs(flat: Sequence[bytes]) -> dict[bytes, bytes]:
     return dict(zip(flat[::2], flat[1::2], strict=True))
 
 
-def _opt_float(value: bytes | None) -> float | None:
-    return float(value) if value else None
+_RUN_FIELDS = tuple(name.encode() for name in gate.RUN_FIELDS[1:])  # the run hash's fields
 
 
 def _run_record(run_id: bytes, fields: dict[bytes, bytes]) -> RunRecord:
-    orphan = fields.get(b"orphan_timeout", b"")
-    live = fields.get(b"live", b"")
-    return RunRecord(
-        run_id=_str(run_id),
-        seq=int(fields[b"seq"]),
-        state=RunState(fields[b"state"].decode()),
-        created_at=float(fields[b"created_at"]),
-        confirmed=fields[b"confirmed"] == b"1",
-        generation=int(fields[b"generation"]),
-        live=[int(g) for g in live.split(b",")] if live else [],
-        payload=fields.get(b"payload"),
-        token=int(fields[b"token"]),
-        holder_generation=int(fields[b"holder_generation"]),
-        admitted_at=float(fields[b"admitted_at"]),
-        heartbeat_at=float(fields[b"heartbeat_at"]),
-        lease_expires_at=float(fields[b"lease_expires_at"]),
-        executing=fields[b"executing"] == b"1",
-        lease=float(fields[b"lease"]),
-        orphan_timeout=float(orphan) if orphan else None,
-        recheck=float(fields[b"recheck"]),
-        seen_at=float(fields[b"seen_at"]),
-        passed_over_at=_opt_float(fields.get(b"passed_over_at")),
-    )
+    return gate.decode_run(_str(run_id), [fields.get(name) for name in _RUN_FIELDS])
 
 
 def _phantom_views(entries: Sequence[Sequence[Any]]) -> tuple[list[HolderView], list[WaiterView]]:
