@@ -5,18 +5,39 @@ of reads and writes of one key's records, under that key's lock) and gets every 
 here. The Redis store runs the same rules as Lua scripts; the contract suite and the model
 test keep the two identical.
 
-Words used below:
+Names of the three parts that decide a delivery, used the same way across the package:
+
+- *the gate*: the decision every delivery of a singleton task passes before its body runs;
+  *the rules* are this module (``singleton_tasks.gate``), run by every store.
+- *the gatekeeper*: :class:`singleton_tasks.runtime.Gatekeeper`, one worker process's side of
+  the gate (its store, options and heartbeat thread), shared by both adapters.
+- *the gate hook*: where an adapter hands a delivery to the gatekeeper (Dramatiq:
+  ``SingletonMiddleware.before_process_message``; Celery: ``SingletonTask.before_start``).
+
+Glossary (docs/concepts.md has the user's account of each):
 
 - *holder*: a run that owns one of the key's ``limit`` slots; *waiter*: any other registered run
   (*pending*: registered, never delivered; *gated*: delivered and deferred; *woken*: gated, and
   a wake copy of it was published).
 - *copy*: one message of a run; every copy the library publishes carries a *generation*, and a
-  run's record lists its *live* generations. A delivery of a generation that is not live is
-  *stale*: dropped, never run.
+  run's record lists its *live* generations. A delivery of a generation that is not live is a
+  *stale copy*: dropped, never run.
+- *wake*: the copy published when a waiter's turn comes (a slot freed ahead of it): its stored
+  payload, live as a new generation (:class:`~singleton_tasks.outcomes.Wake`).
+- *held back*: a message published with a delay (Dramatiq's ``delay``, Celery's ``countdown`` /
+  ``eta``); its registration is *parked* (:func:`park`): it waits gated with its payload, so its
+  turn wakes it even before the delay is up.
+- *first sight*: a delivery of a run the store does not know (Celery's ``send_task``, a task
+  declared only where its workers run, a settled run re-driven): it is registered at its own
+  claim.
 - *seen*: a live copy of a run (or its registration) reached the store. A waiter unseen for
   its orphan timeout plus its longest re-check delay (an unpublished registration: for the
   registration grace) is *passed over*: it owns no slot and does not count against the backlog
   cap until it is seen again. Passed over for ``retention`` more, it is *removed*.
+- *ghost*: a registration whose message was never published (the producer died between
+  registering and publishing): unconfirmed, it is passed over after the registration grace.
+- *takeover*: an admission over a holder whose lease lapsed while it was running (its worker
+  died or hung): the new holder gets a higher fencing token, the old one loses its slot.
 - *now*: always the store's clock (:meth:`KeyTransaction.now`), never a worker's.
 - Tokens and generations are drawn from the store's clock in microseconds combined with a
   counter (``max(previous + 1, now in µs)``): tokens keep increasing after a key's state

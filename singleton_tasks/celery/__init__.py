@@ -338,7 +338,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             )
         return result
 
-    # -- gate (docs/concepts.md#the-life-of-a-run) ---------------------------------------------------------
+    # -- gate hook (docs/concepts.md#the-life-of-a-run) ----------------------------------------------------
     def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
         super().before_start(task_id, args, kwargs)
         bound = self._singleton_binding()
