@@ -15,7 +15,8 @@ import redis.crc
 import redis.exceptions
 from redis.cluster import RedisCluster
 
-from .redis import _call_script, _text
+from ._redis_call import call_script
+from .redis import _text
 
 _SCRIPT_COMMANDS = frozenset({"FCALL", "EVALSHA"})
 
@@ -73,7 +74,7 @@ class ClusterClient(RedisCluster):
         if pinned is None or pinned.connection_pool is not pool:
             pinned = redis.Redis(connection_pool=pool, single_connection_client=True)
             threads.clients[node.name] = pinned
-        return _call_script(pinned, command.encode(), _text(name), int(numkeys), keys_and_args)
+        return call_script(pinned, command.encode(), _text(name), int(numkeys), keys_and_args)
 
 
 __all__ = ["ClusterClient"]

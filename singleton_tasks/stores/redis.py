@@ -30,6 +30,8 @@ try:  # the driver, when installed (Store.check_drivers names the extra otherwis
     import redis.connection
     import redis.exceptions
     from redis.commands.core import Script
+
+    from ._redis_call import call_script as _call_script  # imports the driver too
 except ImportError:  # pragma: no cover - the core-only install (tests/test_extras.py)
     pass
 
@@ -265,70 +267,6 @@ def _glob_escape(value: bytes) -> bytes:
 
 def _maybe_int(value: Any) -> int | None:
     return None if value is None else int(value)
-
-
-def _resp_command(parts: Sequence[bytes]) -> bytes:
-    """One command in RESP: an array of bulk strings."""
-    out = [b"*%d\r\n" % len(parts)]
-    for part in parts:
-        out.append(b"$%d\r\n%s\r\n" % (len(part), part))
-    return b"".join(out)
-
-
-def _call_script(
-    client: redis.Redis,
-    command: bytes,
-    name: bytes,
-    numkeys: int,
-    keys_and_args: Sequence[bytes | str],
-    wait: Sequence[bytes] | None = None,
-) -> Any:
-    """``EVALSHA sha`` or ``FCALL function`` on the client's own connection, with its retry policy.
-
-    redis-py's general path (command parsing, observability hooks, a lock, per-argument packing)
-    cost about twice the CPU of the call itself, and a worker of many threads is bound by that
-    CPU under the GIL. The reply and its errors (NoScriptError, ...) are the same.
-
-    ``wait`` (``WAIT numreplicas timeout``) is sent in the same write, right behind the call:
-    still one round trip. The reply is then ``(the call's reply, replicas that acknowledged)``.
-    """
-    conn = client.connection
-    if conn is None:  # not a single-connection client: take the general path
-        call_general = client.fcall if command == b"FCALL" else client.evalsha
-        reply = call_general(name.decode(), numkeys, *keys_and_args)
-        return reply if wait is None else (reply, client.execute_command("WAIT", *wait))  # type: ignore[no-untyped-call]
-    packed = [
-        _resp_command(
-            [
-                command,
-                name,
-                b"%d" % numkeys,
-                *(part if isinstance(part, bytes) else _text(part) for part in keys_and_args),
-            ]
-        )
-    ]
-    if wait is not None:
-        packed.append(_resp_command([b"WAIT", *wait]))
-
-    def call() -> Any:
-        if getattr(conn, "_sock", None) is None:
-            # Reconnect by the connection's own connect(): a Sentinel-managed connection asks the
-            # sentinels for the primary there (send_packed_command would reconnect to the old one).
-            conn.connect()  # type: ignore[no-untyped-call]
-        conn.send_packed_command(packed, check_health=False)  # type: ignore[no-untyped-call]
-        if wait is None:
-            return conn.read_response()
-        try:
-            reply = conn.read_response()
-        except redis.exceptions.ResponseError:
-            conn.read_response()  # WAIT's reply: the connection stays in step
-            raise
-        return reply, conn.read_response()
-
-    def failed(_error: Exception) -> None:
-        conn.disconnect()  # type: ignore[no-untyped-call]
-
-    return conn.retry.call_with_retry(call, failed)
 
 
 def _wakes(scope: str, key: str, rows: Sequence[Sequence[Any]]) -> tuple[Wake, ...]:
