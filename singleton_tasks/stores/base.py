@@ -5,6 +5,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
+import importlib
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -95,6 +96,10 @@ class Store(abc.ABC):
 
     #: The URL schemes this class serves (``store_from_url`` looks them up here).
     schemes: ClassVar[tuple[str, ...]] = ()
+    #: The driver modules the store needs and the extra that installs them: the store's module
+    #: imports them only when installed, and :meth:`check_drivers` names the extra otherwise.
+    drivers: ClassVar[tuple[str, ...]] = ()
+    extra: ClassVar[str] = ""
     #: Whose clock decides: ``"server"`` (a clock shared by every host) or ``"host"`` (the clock
     #: of the one host the store serves).
     clock_source: ClassVar[str] = "host"
@@ -108,6 +113,7 @@ class Store(abc.ABC):
         timings: Timings | None = None,
         clock: Clock | None = None,
     ) -> None:
+        self.check_drivers()
         self.url = redact_url(url)
         self.namespace = check_namespace(namespace)
         timings = timings or Timings()
@@ -122,6 +128,26 @@ class Store(abc.ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.url} namespace={self.namespace!r}>"
+
+    @classmethod
+    def check_drivers(cls, scheme: str | None = None) -> None:
+        """SingletonConfigError naming the extra to install when a driver module is missing."""
+        for module in cls.drivers:
+            try:
+                importlib.import_module(module)
+            except ImportError as error:
+                install = f"pip install 'singleton-tasks[{cls.extra}]'"
+                raise SingletonConfigError(
+                    f"the {scheme or cls.schemes[0]}:// store needs its driver: {install} ({error})"
+                ) from error
+
+    @classmethod
+    def check_url(cls, url: str) -> None:
+        """Check the URL's syntax without connecting: ValueError naming what is wrong.
+
+        The default reads the port; stores of several hosts or none check their own way.
+        """
+        urlsplit(url).port  # noqa: B018 - raises ValueError on a port that is not a number
 
     @property
     def retention(self) -> float:

@@ -25,10 +25,17 @@ from importlib import resources
 from typing import Any, NoReturn
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-import redis
-import redis.exceptions
-from redis.commands.core import Script
+try:  # the driver, when installed (Store.check_drivers names the extra otherwise)
+    import redis
+    import redis.connection
+    import redis.exceptions
+    from redis.commands.core import Script
 
+    from ._redis_call import call_script as _call_script  # imports the driver too
+except ImportError:  # pragma: no cover - the core-only install (tests/test_extras.py)
+    pass
+
+from .. import gate
 from ..errors import SingletonConfigError, StoreUnavailableError
 from ..gate import KeyMeta, RunRecord, Timings
 from ..outcomes import (
@@ -262,70 +269,6 @@ def _maybe_int(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
-def _resp_command(parts: Sequence[bytes]) -> bytes:
-    """One command in RESP: an array of bulk strings."""
-    out = [b"*%d\r\n" % len(parts)]
-    for part in parts:
-        out.append(b"$%d\r\n%s\r\n" % (len(part), part))
-    return b"".join(out)
-
-
-def _call_script(
-    client: redis.Redis,
-    command: bytes,
-    name: bytes,
-    numkeys: int,
-    keys_and_args: Sequence[bytes | str],
-    wait: Sequence[bytes] | None = None,
-) -> Any:
-    """``EVALSHA sha`` or ``FCALL function`` on the client's own connection, with its retry policy.
-
-    redis-py's general path (command parsing, observability hooks, a lock, per-argument packing)
-    cost about twice the CPU of the call itself, and a worker of many threads is bound by that
-    CPU under the GIL. The reply and its errors (NoScriptError, ...) are the same.
-
-    ``wait`` (``WAIT numreplicas timeout``) is sent in the same write, right behind the call:
-    still one round trip. The reply is then ``(the call's reply, replicas that acknowledged)``.
-    """
-    conn = client.connection
-    if conn is None:  # not a single-connection client: take the general path
-        call_general = client.fcall if command == b"FCALL" else client.evalsha
-        reply = call_general(name.decode(), numkeys, *keys_and_args)
-        return reply if wait is None else (reply, client.execute_command("WAIT", *wait))  # type: ignore[no-untyped-call]
-    packed = [
-        _resp_command(
-            [
-                command,
-                name,
-                b"%d" % numkeys,
-                *(part if isinstance(part, bytes) else _text(part) for part in keys_and_args),
-            ]
-        )
-    ]
-    if wait is not None:
-        packed.append(_resp_command([b"WAIT", *wait]))
-
-    def call() -> Any:
-        if getattr(conn, "_sock", None) is None:
-            # Reconnect by the connection's own connect(): a Sentinel-managed connection asks the
-            # sentinels for the primary there (send_packed_command would reconnect to the old one).
-            conn.connect()  # type: ignore[no-untyped-call]
-        conn.send_packed_command(packed, check_health=False)  # type: ignore[no-untyped-call]
-        if wait is None:
-            return conn.read_response()
-        try:
-            reply = conn.read_response()
-        except redis.exceptions.ResponseError:
-            conn.read_response()  # WAIT's reply: the connection stays in step
-            raise
-        return reply, conn.read_response()
-
-    def failed(_error: Exception) -> None:
-        conn.disconnect()  # type: ignore[no-untyped-call]
-
-    return conn.retry.call_with_retry(call, failed)
-
-
 def _wakes(scope: str, key: str, rows: Sequence[Sequence[Any]]) -> tuple[Wake, ...]:
     return tuple(Wake(scope, key, _str(run_id), int(gen), payload) for run_id, gen, payload in rows)
 
@@ -338,34 +281,11 @@ def _pairs(flat: Sequence[bytes]) -> dict[bytes, bytes]:
     return dict(zip(flat[::2], flat[1::2], strict=True))
 
 
-def _opt_float(value: bytes | None) -> float | None:
-    return float(value) if value else None
+_RUN_FIELDS = tuple(name.encode() for name in gate.RUN_FIELDS[1:])  # the run hash's fields
 
 
 def _run_record(run_id: bytes, fields: dict[bytes, bytes]) -> RunRecord:
-    orphan = fields.get(b"orphan_timeout", b"")
-    live = fields.get(b"live", b"")
-    return RunRecord(
-        run_id=_str(run_id),
-        seq=int(fields[b"seq"]),
-        state=RunState(fields[b"state"].decode()),
-        created_at=float(fields[b"created_at"]),
-        confirmed=fields[b"confirmed"] == b"1",
-        generation=int(fields[b"generation"]),
-        live=[int(g) for g in live.split(b",")] if live else [],
-        payload=fields.get(b"payload"),
-        token=int(fields[b"token"]),
-        holder_generation=int(fields[b"holder_generation"]),
-        admitted_at=float(fields[b"admitted_at"]),
-        heartbeat_at=float(fields[b"heartbeat_at"]),
-        lease_expires_at=float(fields[b"lease_expires_at"]),
-        executing=fields[b"executing"] == b"1",
-        lease=float(fields[b"lease"]),
-        orphan_timeout=float(orphan) if orphan else None,
-        recheck=float(fields[b"recheck"]),
-        seen_at=float(fields[b"seen_at"]),
-        passed_over_at=_opt_float(fields.get(b"passed_over_at")),
-    )
+    return gate.decode_run(_str(run_id), [fields.get(name) for name in _RUN_FIELDS])
 
 
 def _phantom_views(entries: Sequence[Sequence[Any]]) -> tuple[list[HolderView], list[WaiterView]]:
@@ -388,6 +308,21 @@ class RedisStore(Store):
     """
 
     schemes = ("redis", "rediss")
+    drivers = ("redis",)
+    extra = "redis"
+
+    @classmethod
+    def check_url(cls, url: str) -> None:
+        store_options(url, {})  # the store's own options (allow_eviction, wait_replicas, ...)
+        node_url = cls._node_url(split_store_options(url)[0])
+        super().check_url(node_url)
+        redis.connection.parse_url(node_url)  # type: ignore[no-untyped-call]  # ValueError: a bad option
+
+    @staticmethod
+    def _node_url(url: str) -> str:
+        """The URL redis-py's parser reads (a store of several hosts names one of them)."""
+        return url
+
     clock_source = "server"
 
     def __init__(

@@ -20,25 +20,25 @@ on the primary that serves it. What the cluster changes is handled here:
 
 from __future__ import annotations
 
-import os
-import threading
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urlsplit, urlunsplit
 
-import redis
-import redis.connection
-import redis.crc
-import redis.exceptions
-from redis.cluster import ClusterNode, RedisCluster
+try:  # the driver, when installed (Store.check_drivers names the extra otherwise)
+    import redis
+    import redis.connection
+    import redis.crc
+    import redis.exceptions
+    from redis.cluster import ClusterNode
+except ImportError:  # pragma: no cover - the core-only install (tests/test_extras.py)
+    pass
 
 from ..errors import SingletonConfigError, StoreUnavailableError
 from ..outcomes import HeartbeatOutcome, HolderRef
-from .redis import RedisStore, _call_script, _function_library, _no_functions, _text
+from .redis import RedisStore, _function_library, _no_functions
 
-_SCRIPT_COMMANDS = frozenset({"FCALL", "EVALSHA"})
-
-CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+if TYPE_CHECKING:
+    from ._cluster_client import ClusterClient
 
 
 def cluster_seeds(url: str) -> tuple[str, list[tuple[str, int]]]:
@@ -48,9 +48,9 @@ def cluster_seeds(url: str) -> tuple[str, list[tuple[str, int]]]:
     not a number, a database other than 0 (a cluster has only database 0).
     """
     parts = urlsplit(url)
-    scheme = CLUSTER_SCHEMES.get(parts.scheme.lower())
-    if scheme is None:
-        raise ValueError(f"expected one of {sorted(CLUSTER_SCHEMES)}, got {parts.scheme!r}")
+    if parts.scheme.lower() not in RedisClusterStore.schemes:
+        raise ValueError(f"expected one of {sorted(RedisClusterStore.schemes)}, got {parts.scheme!r}")
+    scheme = parts.scheme.lower().partition("+")[0]  # the one-node URL's: redis or rediss
     userinfo, _, hosts = parts.netloc.rpartition("@")
     seeds = []
     for host_port in hosts.split(","):
@@ -74,63 +74,6 @@ def cluster_seeds(url: str) -> tuple[str, list[tuple[str, int]]]:
     return single, seeds
 
 
-#: Replies after which the routed path is taken: it follows the redirect or waits out the
-#: cluster's change, and refreshes the slot map the direct path reads.
-_REROUTE = (
-    redis.exceptions.AskError,  # MovedError too
-    redis.exceptions.TryAgainError,
-    redis.exceptions.ClusterDownError,
-    redis.exceptions.ConnectionError,
-    redis.exceptions.TimeoutError,
-    redis.exceptions.RedisClusterException,  # SlotNotCoveredError: the slot map is stale
-)
-
-
-class _ClusterClient(RedisCluster):
-    """redis-py's cluster client, with a direct path for the store's scripts.
-
-    The store's FCALL/EVALSHA go straight to the primary of their keys' slot, on a connection
-    pinned to the calling thread (RedisStore's single-connection call): the routed path costs
-    about twice the client CPU per call, and a worker of many threads is bound by that CPU.
-    A redirect or a failed connection sends the call down the routed path, which follows
-    ``MOVED``/``ASK``, retries ``TRYAGAIN``/cluster-down and refreshes the slot map.
-
-    ``RedisClusterException`` (no node reachable, a slot not covered, ...) does not derive from
-    ``RedisError``; every command passes through ``execute_command``, so translating there lets
-    the store treat it as any other failed call (StoreUnavailableError: fail closed).
-    """
-
-    connection = None  # RedisStore's calls take execute_command: routed here, by slot
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._threads = threading.local()
-
-    def execute_command(self, *args: Any, **kwargs: Any) -> Any:
-        if args[0] in _SCRIPT_COMMANDS and not kwargs and int(args[2]) > 0:
-            try:
-                return self._direct(*args)
-            except _REROUTE:
-                pass  # the routed path below follows the cluster's new layout
-        try:
-            return super().execute_command(*args, **kwargs)  # type: ignore[no-untyped-call]
-        except redis.exceptions.RedisClusterException as error:
-            raise redis.exceptions.ConnectionError(f"{type(error).__name__}: {error}") from error
-
-    def _direct(self, command: str, name: str, numkeys: int, *keys_and_args: Any) -> Any:
-        """The call on this thread's connection to the primary of the first key's slot."""
-        node = self.nodes_manager.get_node_from_slot(redis.crc.key_slot(keys_and_args[0]))
-        pool = node.redis_connection.connection_pool
-        threads = self._threads
-        if getattr(threads, "pid", None) != os.getpid():
-            threads.clients, threads.pid = {}, os.getpid()  # a forked child makes its own
-        pinned = threads.clients.get(node.name)
-        if pinned is None or pinned.connection_pool is not pool:
-            pinned = redis.Redis(connection_pool=pool, single_connection_client=True)
-            threads.clients[node.name] = pinned
-        return _call_script(pinned, command.encode(), _text(name), int(numkeys), keys_and_args)
-
-
 class RedisClusterStore(RedisStore):
     """The gate's rules in Lua on a Redis Cluster (``redis+cluster://host:port[,host:port…]``).
 
@@ -142,13 +85,19 @@ class RedisClusterStore(RedisStore):
 
     schemes = ("redis+cluster", "rediss+cluster")
 
+    @classmethod
+    def check_url(cls, url: str) -> None:
+        cluster_seeds(url)  # ValueError: no host, a bad port, a database other than 0, a bad option
+
     def _connect(self, url: str, redis_options: dict[str, Any]) -> redis.Redis:
+        from ._cluster_client import ClusterClient
+
         if self._wait is not None:
             # Each call goes to its slot's primary on a pinned connection, without the WAIT.
             raise SingletonConfigError(f"{self!r}: wait_replicas is not supported on a Redis Cluster store")
         single, seeds = cluster_seeds(url)
         try:
-            client = _ClusterClient(
+            client = ClusterClient(
                 url=single,
                 startup_nodes=[ClusterNode(host, port) for host, port in seeds[1:]],  # type: ignore[no-untyped-call]
                 **redis_options,
@@ -170,7 +119,7 @@ class RedisClusterStore(RedisStore):
         return cast(redis.Redis, client)
 
     def _servers(self) -> list[redis.Redis]:
-        cluster = cast(_ClusterClient, self._client)
+        cluster = cast("ClusterClient", self._client)
         return [cluster.get_redis_connection(node) for node in cluster.get_primaries()]  # type: ignore[no-untyped-call]
 
     def _thread_client(self) -> redis.Redis:
@@ -207,4 +156,4 @@ class RedisClusterStore(RedisStore):
         )
 
 
-__all__ = ["CLUSTER_SCHEMES", "RedisClusterStore", "cluster_seeds"]
+__all__ = ["RedisClusterStore", "cluster_seeds"]
