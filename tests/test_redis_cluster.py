@@ -144,6 +144,27 @@ def test_each_slot_indexes_its_own_busy_keys_and_inspect_never_scans(
 
 
 @cluster
+def test_migrate_from_version_2_indexes_the_busy_keys_of_every_primary(
+    store: RedisClusterStore, redis_cluster: LoopbackCluster
+) -> None:
+    """A namespace written before the busy index: `migrate` scans every primary and lists each
+    busy key in its own slot's index."""
+    busy = keys_on_distinct_primaries(store, redis_cluster)
+    for key in busy:
+        assert store.claim(RunSpec(SCOPE, key, f"holder-{key}"), 0, None).decision is Decision.ADMITTED
+    client = store._client
+    indexes = list(client.scan_iter(match=f"{store.namespace}:{{*}}:busy", count=1000))
+    assert len(indexes) == len(busy)
+    for index in indexes:  # what version 2 left: the keys, no index
+        client.delete(index)
+    store.set_schema_version_for_tests(2)
+    assert store.snapshot() == []
+    store.migrate()
+    store.check_schema()
+    assert sorted(s.key for s in store.snapshot()) == sorted(busy)
+
+
+@cluster
 def test_a_phantom_holder_is_shown_evicted_and_released_on_the_cluster(
     store: RedisClusterStore, redis_cluster: LoopbackCluster
 ) -> None:
