@@ -461,6 +461,7 @@ class RedisStore(Store):
         }
         self._ns = _text(self.namespace)
         self._ns_colon = self._ns + b":"
+        self._busy_key = self._ns_colon + b"busy"
         self._threads = threading.local()
 
     def _connect(self, url: str, redis_options: dict[str, Any]) -> redis.Redis:
@@ -562,8 +563,9 @@ class RedisStore(Store):
         return self._ns + b":schema"
 
     def _index_key(self, tag: bytes) -> bytes:
-        """The busy-key index that lists the key of hash tag ``tag`` (one per namespace here)."""
-        return self._ns_colon + b"busy"
+        """The busy-key index that lists the key of hash tag ``tag``: on one server, one per
+        namespace whatever the tag (the cluster store keeps one per hash slot)."""
+        return self._busy_key
 
     # -- plumbing -----------------------------------------------------------------------------
 
@@ -819,7 +821,7 @@ class RedisStore(Store):
         """The hash tags of the keys with runs, from the namespace's busy-key index."""
         self._check_server_once()
         try:
-            return sorted(self._client.sscan_iter(self._index_key(b""), count=1000))
+            return sorted(self._client.sscan_iter(self._busy_key, count=1000))
         except redis.exceptions.RedisError as error:
             self._fail(error)
 
