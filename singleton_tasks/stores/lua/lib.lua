@@ -554,9 +554,11 @@ local function take_place(run, payload)
 end
 
 -- Save the counters; an empty key is forgotten after `retention` (the zsets vanish when empty).
--- Every script that adds or removes a run ends here (confirm, park, suspend and heartbeat only
--- change runs already in line), so the busy index is kept exact here: the key is in it exactly
--- while it has runs (SADD/SREM are idempotent; an empty index set vanishes with its last member).
+-- Every script that adds or removes a run ends here (confirm, suspend and heartbeat only change
+-- runs already in line; park may remove a phantom, but its own pending run stays), so the busy
+-- index is kept exact here: the key is in it exactly while it has runs (SADD/SREM are
+-- idempotent; an empty index set vanishes with its last member). A new script that adds or
+-- removes runs must end with finish too.
 local function finish(meta)
   if zcard(K.holders) == 0 and zcard(K.waiters) == 0 then
     meta.seq = 0
