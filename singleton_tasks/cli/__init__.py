@@ -57,7 +57,7 @@ store's clock, durations are seconds; the store's password is redacted):
   "format": 1,
   "store": "redis://user:***@host:6379/0",     # redacted
   "namespace": "default",
-  "schema_version": 1,                           # null: the store was never migrated
+  "schema_version": 3,                           # null: the store was never migrated
   "now": 1767225600.0,
   "totals": {"keys": 1, "holders": 1, "waiters": 2},
   "keys": [                                      # sorted by scope, key

@@ -30,7 +30,8 @@ from ..outcomes import (
 )
 
 #: Version 2: store-side time, ``seen_at`` / ``passed_over_at`` per run, idle keys expire.
-SCHEMA_VERSION = 2
+#: Version 3: Redis lists its busy keys in an index (no change to the SQL schemas).
+SCHEMA_VERSION = 3
 
 #: A zero-argument callable giving epoch seconds: the test-only ``clock=`` option of every store.
 Clock = Callable[[], float]

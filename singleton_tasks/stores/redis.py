@@ -5,6 +5,14 @@ holds the shared building blocks and the data layout); the contract suite keeps 
 identical. All data of one scope+key lives under one hash tag derived from a digest of the
 scope and key, so the store works on Redis Cluster and any key text round-trips unchanged.
 
+Keys with runs (holders or waiters) are listed in an index the scripts keep in the same call
+that changes them (``lib.lua``'s ``finish``): a set of their hash tags, ``<namespace>:busy``.
+``inspect``, ``top`` and operator release read that set and the keys it names, so their cost
+grows with the busy keys, never with the idle ones a namespace keeps for ``retention``. A
+namespace written by schema version 2 or older has no index: ``migrate`` builds it (one
+``SCAN`` of the database), and workers refuse an unmigrated namespace
+(docs/deployment.md#schema-upgrades).
+
 On Redis 7 and later the scripts are loaded once as a function library and each operation is
 one ``FCALL``: ``lib.lua`` then runs once per server instead of once per call (it is about two
 thirds of a small operation's server time). Servers without functions, or users not allowed
@@ -388,6 +396,7 @@ class RedisStore(Store):
         }
         self._ns = _text(self.namespace)
         self._ns_colon = self._ns + b":"
+        self._busy_key = self._ns_colon + b"busy"
         self._threads = threading.local()
 
     def _connect(self, url: str, redis_options: dict[str, Any]) -> redis.Redis:
@@ -487,6 +496,11 @@ class RedisStore(Store):
     @property
     def _schema_key(self) -> bytes:
         return self._ns + b":schema"
+
+    def _index_key(self, tag: bytes) -> bytes:
+        """The busy-key index that lists the key of hash tag ``tag``: on one server, one per
+        namespace whatever the tag (the cluster store keeps one per hash slot)."""
+        return self._busy_key
 
     # -- plumbing -----------------------------------------------------------------------------
 
@@ -597,16 +611,18 @@ class RedisStore(Store):
 
     def _key_op(self, name: str, scope: str, key: str, run_id: str, *args: bytes) -> Any:
         """A per-key script: lib.lua's KEYS and ARGV layout, then ``args``."""
-        prefix, run = self._ns_colon + _hash_tag(scope, key) + b":", _text(run_id)
+        tag, run = _hash_tag(scope, key), _text(run_id)
+        prefix = self._ns_colon + tag + b":"
         return self._eval(
             name,
-            6,
+            7,
             prefix + b"meta",
             prefix + b"waiters",
             prefix + b"holders",
             prefix + b"overdue",
             prefix + b"run:" + run,
             prefix + b"settled:" + run,
+            self._index_key(tag),
             _text(scope),
             _text(key),
             run,
@@ -736,14 +752,20 @@ class RedisStore(Store):
             )
         return snap
 
+    def _busy_tags(self) -> list[bytes]:
+        """The hash tags of the keys with runs, from the namespace's busy-key index."""
+        self._check_server_once()
+        try:
+            return sorted(self._client.sscan_iter(self._busy_key, count=1000))
+        except redis.exceptions.RedisError as error:
+            self._fail(error)
+
     def snapshot(self, *, scope: str | None = None, key: str | None = None) -> list[KeySnapshot]:
         if scope is not None and key is not None:
             meta_keys: list[bytes] = [self._prefix(scope, key) + b"meta"]
         else:
-            # Keys with runs have a holders or a waiters index (idle keys have neither).
-            prefixes = {k[: -len(b"holders")] for k in self._scan(b"holders")}
-            prefixes |= {k[: -len(b"waiters")] for k in self._scan(b"waiters")}
-            meta_keys = [p + b"meta" for p in sorted(prefixes)]
+            # The busy index names every key with runs (idle keys are not read at all).
+            meta_keys = [self._ns_colon + tag + b":meta" for tag in self._busy_tags()]
         snaps = []
         for meta_key in meta_keys:
             snap = self._snapshot_of(meta_key)
@@ -757,21 +779,27 @@ class RedisStore(Store):
         return sorted(snaps, key=lambda s: (s.scope, s.key))
 
     def operator_release(self, run_id: str) -> ReleaseOutcome | None:
-        """Find the run's hashes by name (a SCAN, not a snapshot of every key), then release it.
+        """Find the run's hash among the busy keys (one pipelined read), then release it.
 
         A run id registered under several keys is released from the first in (scope, key)
         order, as the base class does.
         """
         suffix = b"run:" + _text(run_id)
-        owners = []
-        for run_key in self._scan(suffix):
-            meta_key = run_key[: -len(suffix)] + b"meta"
-            try:
-                scope, key = self._client.hmget(meta_key, ["scope", "key"])
-            except redis.exceptions.RedisError as error:
-                self._fail(error)
-            if isinstance(scope, bytes) and isinstance(key, bytes):
-                owners.append((_str(scope), _str(key)))
+        tags = self._busy_tags()
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for tag in tags:
+                prefix = self._ns_colon + tag + b":"
+                pipe.exists(prefix + suffix)
+                pipe.hmget(prefix + b"meta", ["scope", "key"])
+            replies = pipe.execute()
+        except redis.exceptions.RedisError as error:
+            self._fail(error)
+        owners = [
+            (_str(scope), _str(key))
+            for exists, (scope, key) in zip(replies[0::2], replies[1::2], strict=True)
+            if exists and isinstance(scope, bytes) and isinstance(key, bytes)
+        ]
         if not owners:
             return super().operator_release(run_id)  # a phantom has no hash: find it by snapshot
         scope_s, key_s = min(owners)
@@ -788,8 +816,30 @@ class RedisStore(Store):
         return None if value is None else int(value)
 
     def migrate(self) -> None:
-        # Version 1 needs no data conversion: the version key is the whole schema.
+        """Record the schema version; from version 2 or older, first build the busy-key index.
+
+        Versions 1 and 2 kept no index: every key with a holders or a waiters zset is added to
+        it, found by one ``SCAN`` of the database (run it with the workers drained, as every
+        upgrade: a key that goes idle during the scan may stay listed, and is then skipped by
+        ``inspect`` until its next call removes it). Running it again is harmless.
+        """
+        found = self.schema_version()
+        if found is not None and found < SCHEMA_VERSION:
+            self._index_busy_keys()
         self._write_schema_version(SCHEMA_VERSION)
+
+    def _index_busy_keys(self) -> None:
+        """Add every key with runs to the busy-key index (the upgrade from version 2)."""
+        start = len(self._ns_colon)
+        tags = {k[start : start + 42] for k in self._scan(b"holders")}
+        tags |= {k[start : start + 42] for k in self._scan(b"waiters")}
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for tag in sorted(tags):
+                pipe.sadd(self._index_key(tag), tag)
+            pipe.execute()
+        except redis.exceptions.RedisError as error:
+            self._fail(error)
 
     def set_schema_version_for_tests(self, version: int | None) -> None:
         """Pretend another library version wrote this server (the contract suite's mismatch test)."""

@@ -15,11 +15,20 @@ on the primary that serves it. What the cluster changes is handled here:
 * Errors of the cluster client that are not ``RedisError`` (no reachable node, a slot not
   covered) are reported as :class:`~singleton_tasks.errors.StoreUnavailableError`, as an
   unreachable server is: nothing is admitted while the cluster cannot answer.
-* ``inspect``/``top`` and operator release ``SCAN`` every primary.
+* The busy-key index (see :mod:`~singleton_tasks.stores.redis`) is one set per hash slot: a
+  script may only touch the slot of its key, so the set that lists a key must live in that
+  key's slot. The set of slot ``s`` is ``<namespace>:{<t>}:busy``, where ``t`` is the smallest
+  decimal number whose CRC16 falls in slot ``s`` (:func:`slot_tags`: fixed by the hash alone,
+  so every process names the same set). ``inspect``/``top`` and operator release read the set
+  of every slot, one pipeline per primary (16,384 ``SMEMBERS`` of sets that are mostly absent),
+  then the keys they list: their cost grows with the busy keys and the primaries, never with
+  the idle keys. A read answered by a redirect (a slot moving) is made again on the routed path.
 """
 
 from __future__ import annotations
 
+import binascii
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urlsplit, urlunsplit
@@ -39,6 +48,9 @@ from .redis import RedisStore, _function_library, _no_functions
 
 if TYPE_CHECKING:
     from ._cluster_client import ClusterClient
+
+#: Hash slots of a Redis Cluster (redis.crc.REDIS_CLUSTER_HASH_SLOTS; here without the driver).
+_SLOTS = 16384
 
 
 def cluster_seeds(url: str) -> tuple[str, list[tuple[str, int]]]:
@@ -72,6 +84,25 @@ def cluster_seeds(url: str) -> tuple[str, list[tuple[str, int]]]:
     single = urlunsplit((scheme, netloc, "", parts.query, ""))
     redis.connection.parse_url(single)  # type: ignore[no-untyped-call]  # ValueError: a bad option
     return single, seeds
+
+
+@functools.cache
+def slot_tags() -> tuple[bytes, ...]:
+    """For each hash slot, the smallest decimal number (as text) whose CRC16 falls in it.
+
+    ``{<tag>}`` then names a key of that slot: the slot's busy-key index. About 170,000 CRCs,
+    computed once per process, when a cluster store first names an index.
+    """
+    tags: list[bytes] = [b""] * _SLOTS
+    missing, number = _SLOTS, 0
+    while missing:
+        text = b"%d" % number
+        slot = binascii.crc_hqx(text, 0) % _SLOTS
+        if not tags[slot]:
+            tags[slot] = text
+            missing -= 1
+        number += 1
+    return tuple(tags)
 
 
 class RedisClusterStore(RedisStore):
@@ -118,6 +149,39 @@ class RedisClusterStore(RedisStore):
         # RedisCluster serves every command the store sends (the same command methods as Redis).
         return cast(redis.Redis, client)
 
+    def _index_key(self, tag: bytes) -> bytes:
+        """The busy-key index of the hash slot that holds the key of hash tag ``tag``."""
+        return self._slot_index_key(redis.crc.key_slot(self._ns_colon + tag + b":"))
+
+    def _slot_index_key(self, slot: int) -> bytes:
+        return self._ns_colon + b"{" + slot_tags()[slot] + b"}:busy"
+
+    def _busy_tags(self) -> list[bytes]:
+        """The hash tags the busy-key index of every slot lists: one pipeline per primary."""
+        self._check_server_once()
+        cluster = cast("ClusterClient", self._client)
+        # A namespace holding a hash tag of its own puts all its keys (and indexes) in one slot.
+        index_keys = sorted({self._slot_index_key(slot) for slot in range(_SLOTS)})
+        by_node: dict[str, tuple[Any, list[bytes]]] = {}
+        tags: set[bytes] = set()
+        try:
+            for key in index_keys:
+                node = cluster.nodes_manager.get_node_from_slot(redis.crc.key_slot(key))
+                by_node.setdefault(node.name, (node, []))[1].append(key)
+            for node, keys in by_node.values():
+                pipe = cluster.get_redis_connection(node).pipeline(transaction=False)
+                for key in keys:
+                    pipe.smembers(key)
+                for key, members in zip(keys, pipe.execute(raise_on_error=False), strict=True):
+                    if isinstance(members, Exception):  # MOVED/ASK: the slot is moving
+                        members = cluster.smembers(key)
+                    tags.update(cast(set[bytes], members))
+        except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException) as error:
+            if not isinstance(error, redis.exceptions.RedisError):
+                error = redis.exceptions.ConnectionError(f"{type(error).__name__}: {error}")
+            self._fail(error)
+        return sorted(tags)
+
     def _servers(self) -> list[redis.Redis]:
         cluster = cast("ClusterClient", self._client)
         return [cluster.get_redis_connection(node) for node in cluster.get_primaries()]  # type: ignore[no-untyped-call]
@@ -156,4 +220,4 @@ class RedisClusterStore(RedisStore):
         )
 
 
-__all__ = ["RedisClusterStore", "cluster_seeds"]
+__all__ = ["RedisClusterStore", "cluster_seeds", "slot_tags"]
