@@ -482,7 +482,8 @@ def check(data: RunData, snapshots: Iterable[KeySnapshot], *, now: float | None 
 
 
 def _out_of_the_way(snap: KeySnapshot, now: float) -> bool:
-    """No holder of the key holds a live lease and no waiter is still in line (SPEC §6)."""
+    """No holder of the key holds a live lease and no waiter is still in line
+    (docs/concepts.md#passed-over-waiters)."""
     return all(h.lease_expires_at <= now for h in snap.holders) and all(
         w.passed_over_at is not None and w.passed_over_at <= now for w in snap.waiters
     )

@@ -3,13 +3,16 @@
 See docs/concepts.md#declaring-a-singleton.
 
 The decorator knows tasks only through a :class:`TaskDescription`; each adapter registers a
-describer that recognises its framework's task objects.
+describer that recognises its framework's task objects. The adapters make themselves known by
+the entry-point group :data:`ADAPTERS`, so this module imports none of them by name.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import inspect
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,13 +46,21 @@ def register_describer(describer: Describer) -> Describer:
     return describer
 
 
-def _load_adapters() -> None:
-    import sys
+#: The entry-point group of the adapters: each entry is named after its framework's module and
+#: points at the adapter module, which calls :func:`register_describer` when imported.
+ADAPTERS = "singleton_tasks.adapters"
 
-    if "dramatiq" in sys.modules:
-        import singleton_tasks.dramatiq
-    if "celery" in sys.modules:
-        import singleton_tasks.celery  # noqa: F401
+
+@functools.cache
+def _adapters() -> tuple[importlib.metadata.EntryPoint, ...]:
+    return tuple(importlib.metadata.entry_points(group=ADAPTERS))
+
+
+def _load_adapters() -> None:
+    """Import the adapter of every framework already imported (a task of it may be described)."""
+    for adapter in _adapters():
+        if adapter.name in sys.modules and adapter.value not in sys.modules:
+            adapter.load()
 
 
 def describe_function(task: object) -> TaskDescription | None:

@@ -5,18 +5,39 @@ of reads and writes of one key's records, under that key's lock) and gets every 
 here. The Redis store runs the same rules as Lua scripts; the contract suite and the model
 test keep the two identical.
 
-Words used below:
+Names of the three parts that decide a delivery, used the same way across the package:
+
+- *the gate*: the decision every delivery of a singleton task passes before its body runs;
+  *the rules* are this module (``singleton_tasks.gate``), run by every store.
+- *the gatekeeper*: :class:`singleton_tasks.runtime.Gatekeeper`, one worker process's side of
+  the gate (its store, options and heartbeat thread), shared by both adapters.
+- *the gate hook*: where an adapter hands a delivery to the gatekeeper (Dramatiq:
+  ``SingletonMiddleware.before_process_message``; Celery: ``SingletonTask.before_start``).
+
+Glossary (docs/concepts.md has the user's account of each):
 
 - *holder*: a run that owns one of the key's ``limit`` slots; *waiter*: any other registered run
   (*pending*: registered, never delivered; *gated*: delivered and deferred; *woken*: gated, and
   a wake copy of it was published).
 - *copy*: one message of a run; every copy the library publishes carries a *generation*, and a
-  run's record lists its *live* generations. A delivery of a generation that is not live is
-  *stale*: dropped, never run.
+  run's record lists its *live* generations. A delivery of a generation that is not live is a
+  *stale copy*: dropped, never run.
+- *wake*: the copy published when a waiter's turn comes (a slot freed ahead of it): its stored
+  payload, live as a new generation (:class:`~singleton_tasks.outcomes.Wake`).
+- *held back*: a message published with a delay (Dramatiq's ``delay``, Celery's ``countdown`` /
+  ``eta``); its registration is *parked* (:func:`park`): it waits gated with its payload, so its
+  turn wakes it even before the delay is up.
+- *first sight*: a delivery of a run the store does not know (Celery's ``send_task``, a task
+  declared only where its workers run, a settled run re-driven): it is registered at its own
+  claim.
 - *seen*: a live copy of a run (or its registration) reached the store. A waiter unseen for
   its orphan timeout plus its longest re-check delay (an unpublished registration: for the
   registration grace) is *passed over*: it owns no slot and does not count against the backlog
   cap until it is seen again. Passed over for ``retention`` more, it is *removed*.
+- *ghost*: a registration whose message was never published (the producer died between
+  registering and publishing): unconfirmed, it is passed over after the registration grace.
+- *takeover*: an admission over a holder whose lease lapsed while it was running (its worker
+  died or hung): the new holder gets a higher fencing token, the old one loses its slot.
 - *now*: always the store's clock (:meth:`KeyTransaction.now`), never a worker's.
 - Tokens and generations are drawn from the store's clock in microseconds combined with a
   counter (``max(previous + 1, now in µs)``): tokens keep increasing after a key's state
@@ -28,8 +49,9 @@ from __future__ import annotations
 import abc
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from .config import DEFAULT_LEASE, DEFAULT_MAX_RETRY_DELAY, DEFAULT_ORPHAN_TIMEOUT, DEFAULT_RETRY_JITTER
 from .outcomes import (
@@ -87,6 +109,73 @@ class RunRecord:
 
     def copy(self) -> RunRecord:
         return dataclasses.replace(self, live=list(self.live))
+
+
+#: RunRecord's fields in their declared order, the order of :func:`encode_run` and
+#: :func:`decode_run`. The SQL schema (stores/sql/) and the Lua (stores/lua/) name them again:
+#: the contract suite checks every store against these rules.
+RUN_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(RunRecord))
+
+
+def encode_run(run: RunRecord) -> dict[str, object]:
+    """A run's stored values by field name: ``state`` as its value, ``live`` as ``"1,2"``, the
+    rest as they are."""
+    values: dict[str, object] = {name: getattr(run, name) for name in RUN_FIELDS}
+    values["state"] = run.state.value
+    values["live"] = ",".join(str(g) for g in run.live)
+    return values
+
+
+def _optional_float(value: object) -> float | None:
+    return None if value is None or value == b"" or value == "" else float(value)  # type: ignore[arg-type]
+
+
+def decode_run(run_id: str, values: Sequence[Any]) -> RunRecord:
+    """A run from its stored values in :data:`RUN_FIELDS` order after ``run_id``, as a driver
+    returns them: numbers as numbers, text or bytes; booleans as 0/1; ``None`` or empty for none."""
+    (
+        seq,
+        state,
+        created_at,
+        confirmed,
+        generation,
+        live,
+        payload,
+        token,
+        holder_generation,
+        admitted_at,
+        heartbeat_at,
+        lease_expires_at,
+        executing,
+        lease,
+        orphan_timeout,
+        recheck,
+        seen_at,
+        passed_over_at,
+    ) = values
+    if isinstance(live, bytes):
+        live = live.decode()
+    return RunRecord(
+        run_id=run_id,
+        seq=int(seq),
+        state=RunState(state.decode() if isinstance(state, bytes) else state),
+        created_at=float(created_at),
+        confirmed=bool(int(confirmed)),
+        generation=int(generation),
+        live=[int(g) for g in live.split(",") if g] if live else [],
+        payload=None if payload is None else bytes(payload),
+        token=int(token),
+        holder_generation=int(holder_generation),
+        admitted_at=float(admitted_at),
+        heartbeat_at=float(heartbeat_at),
+        lease_expires_at=float(lease_expires_at),
+        executing=bool(int(executing)),
+        lease=float(lease),
+        orphan_timeout=_optional_float(orphan_timeout),
+        recheck=float(recheck),
+        seen_at=float(seen_at),
+        passed_over_at=_optional_float(passed_over_at),
+    )
 
 
 class KeyTransaction(abc.ABC):

@@ -199,8 +199,8 @@ def the_wake(wakes: Sequence[Wake], run_id: str) -> Wake:
     return wakes[0]
 
 
-class StoreContract:
-    """The contract every store keeps; subclass it and provide the ``store_factory`` fixture."""
+class _Contract:
+    """The fixture every topic of the contract uses: ``make_store``, a clock given to every store."""
 
     @pytest.fixture
     def make_store(self, store_factory: StoreFactory) -> StoreFactory:
@@ -211,6 +211,10 @@ class StoreContract:
             return store_factory(namespace, **options)
 
         return make
+
+
+class _OrderRules(_Contract):
+    """Order of admission, slots, and the backlog cap."""
 
     # -- order (docs/concepts.md#the-life-of-a-run) ------------------------------------------------
 
@@ -317,6 +321,10 @@ class StoreContract:
             outcome = at(store, T0).register(spec(f"r{i}"))
             assert (outcome.status, outcome.in_flight) == (Registered.REGISTERED, i + 1)
 
+
+class _RegistrationRules(_Contract):
+    """Registration: dedupe, confirm/unregister, unpublished registrations, first sight."""
+
     # -- registration (docs/concepts.md#the-life-of-a-run) -----------------------------------------
 
     def test_dedupe_by_run_id(self, make_store: StoreFactory) -> None:
@@ -416,6 +424,10 @@ class StoreContract:
         # its data): registered too, never dropped.
         gated(store, spec("also-by-name"), micros(T0 - 5), T0 + 1, position=1)
         assert waiters(store, T0 + 1) == ["also-by-name"]
+
+
+class _HandoffRules(_Contract):
+    """Wakes and copies: who is woken, which copy runs, parked registrations, stale copies."""
 
     # -- wakes and copies (docs/concepts.md#handoff) -----------------------------------------------
 
@@ -567,6 +579,10 @@ class StoreContract:
         stale(store, spec("w"), 0, T0 + 3)
         assert waiters(store, T0 + 3) == []
 
+
+class _DeliveryRules(_Contract):
+    """Other deliveries of a run: busy copies, woken copies, a suspended holder."""
+
     # -- other deliveries (docs/concepts.md#what-other-deliveries-see) -----------------------------
 
     def test_duplicate_of_an_executing_holder_is_busy(self, make_store: StoreFactory) -> None:
@@ -660,6 +676,12 @@ class StoreContract:
         assert outcome.decision is Decision.ADMITTED and outcome.takeover is False
         assert outcome.token is not None and outcome.token > token
         assert holders(store, T0 + 32) == ["h"]
+
+
+class _LeaseRules(_Contract):
+    """Leases: takeover, orphaned holders evicted, heartbeats, releases by token or by an operator."""
+
+    # -- leases and eviction (docs/concepts.md#leases) --------------------------------------------
 
     def test_takeover_after_lease_lapse(self, make_store: StoreFactory) -> None:
         store = make_store()
@@ -825,6 +847,10 @@ class StoreContract:
         assert at(store, T0 + 4).release(SCOPE, KEY, "w", token=None).released
         third = at(store, T0 + 5).release(SCOPE, KEY, "w", token=None)
         assert (third.released, third.lost) == (False, False)
+
+
+class _DataRules(_Contract):
+    """Namespaces, scopes, keys as data, times and snapshots."""
 
     # -- isolation and data (docs/deployment.md#choosing-a-store) ----------------------------------
 
@@ -999,6 +1025,10 @@ class StoreContract:
         assert [s.scope for s in at(store, T0 + 2).snapshot(scope="other")] == ["other"]
         assert at(store, T0 + 2).snapshot(key="missing") == []
 
+
+class _TimeRules(_Contract):
+    """Schema versions, the store's clock, passed-over waiters, retention and tokens."""
+
     # -- schema and time (docs/deployment.md#clocks-and-skew) --------------------------------------
 
     def test_schema_version_mismatch_is_refused(self, make_store: StoreFactory) -> None:
@@ -1127,3 +1157,9 @@ class StoreContract:
         stale(store, spec("w"), -1, T0 + 1e6)  # a duplicate start's copy
         # The producer's own copy (generation 0) is a new claim, as a re-driven dead letter is.
         admitted(store, spec("w"), 0, T0 + 1e6)
+
+
+class StoreContract(
+    _OrderRules, _RegistrationRules, _HandoffRules, _DeliveryRules, _LeaseRules, _DataRules, _TimeRules
+):
+    """The contract every store keeps; subclass it and provide the ``store_factory`` fixture."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import inspect
 import pickle
+import subprocess
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +25,7 @@ from singleton_tasks import (
 )
 from singleton_tasks.config import MAX_KEY_LENGTH
 from singleton_tasks.outcomes import RunSpec
-from singleton_tasks.stores import STORE_CLASSES
+from singleton_tasks.stores import store_classes
 
 # ---------------------------------------------------------------------------- SingletonConfig
 
@@ -217,7 +219,26 @@ def test_unknown_scheme_lists_the_known_ones(url: str) -> None:
         store_from_url(url)
     assert all(scheme in str(caught.value) for scheme in KNOWN), caught.value
     tls = {"rediss", "rediss+cluster", "rediss+sentinel"}
-    assert sorted(STORE_CLASSES) == sorted({*KNOWN, "postgres", *tls})
+    assert sorted(store_classes()) == sorted({*KNOWN, "postgres", *tls})
+
+
+def test_each_scheme_is_served_by_the_class_that_declares_it() -> None:
+    for scheme, store_class in store_classes().items():
+        assert scheme in store_class.schemes, (scheme, store_class)
+
+
+def test_a_memory_store_imports_no_driver() -> None:
+    """The scheme lookup stops at the class serving it: memory:// imports neither redis-py nor psycopg."""
+    code = (
+        "import sys\n"
+        "from singleton_tasks import store_from_url\n"
+        "store_from_url('memory://lookup')\n"
+        "print(sorted(m for m in ('redis', 'psycopg', 'psycopg_pool') if m in sys.modules))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert result.stdout.strip() == "[]", result.stdout
 
 
 @pytest.mark.parametrize("url", ["", "redis", "127.0.0.1:6379", "redis:/127.0.0.1", "://nothing"])

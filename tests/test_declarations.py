@@ -9,6 +9,9 @@ serializes them. A declaration that cannot be honoured is refused, naming the ta
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -24,6 +27,7 @@ from click.testing import CliRunner
 from dramatiq.brokers.stub import StubBroker
 from test_celery import FAST, make_app, unique, worker
 
+import singleton_tasks.decorator
 from singleton_tasks import SingletonConfigError, current_admission, singleton
 from singleton_tasks.celery import SingletonTask, install
 from singleton_tasks.cli import cli
@@ -281,3 +285,43 @@ def test_a_marked_body_on_a_broker_without_the_middleware_warns_when_it_runs() -
         lonely(1)  # what the worker does with the message
     assert ran.is_set()
     broker.close()
+
+
+@pytest.mark.parametrize(
+    ("framework", "declare"),
+    [
+        (
+            "dramatiq",
+            "import dramatiq\n"
+            "from dramatiq.brokers.stub import StubBroker\n"
+            "dramatiq.set_broker(StubBroker())\n"
+            "@singleton(key='{x}')\n"
+            "@dramatiq.actor\n"
+            "def task(x): pass\n",
+        ),
+        (
+            "celery",
+            "import celery\n"
+            "app = celery.Celery(broker='memory://')\n"
+            "@singleton(key='{x}')\n"
+            "@app.task\n"
+            "def task(x): pass\n",
+        ),
+    ],
+)
+def test_an_adapter_nobody_imported_is_found_by_its_entry_point(framework: str, declare: str) -> None:
+    """``@singleton`` above a task of a framework whose adapter was never imported: the adapter is
+    found by the ``singleton_tasks.adapters`` entry point named after the framework, not by name."""
+    code = (
+        "import sys\n"
+        "from singleton_tasks import singleton\n"
+        "from singleton_tasks.decorator import ADAPTERS\n"
+        f"assert 'singleton_tasks.{framework}' not in sys.modules\n"
+        f"{declare}"
+        f"print('singleton_tasks.{framework}' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "True"
+    source = Path(singleton_tasks.decorator.__file__).read_text()
+    assert not re.search(r"import singleton_tasks\.(dramatiq|celery)|from \.(dramatiq|celery)", source)

@@ -2,11 +2,13 @@
 
 Each test names the numbered item of ``singleton_tasks/celery/_internals.py`` or
 ``singleton_tasks/dramatiq/_internals.py`` it checks; one fails when a Celery or Dramatiq
-upgrade changes that internal, before a user's task silently stops being a singleton.
+upgrade changes that internal, before a user's task silently stops being a singleton. The last
+checks the redis-py internals of ``singleton_tasks/stores/_redis_call.py``.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 import uuid
@@ -14,11 +16,16 @@ from typing import Any
 
 import dramatiq
 import pytest
+import redis
+import redis.connection
+import redis.sentinel
 from celery import Celery, shared_task
+from conftest import REDIS_URL, require_server
 from dramatiq.brokers.stub import StubBroker
 
 from singleton_tasks.celery import _internals as celery_internals
 from singleton_tasks.dramatiq import _internals as dramatiq_internals
+from singleton_tasks.stores._redis_call import _resp_command
 
 
 def _app() -> Celery:
@@ -237,7 +244,6 @@ def test_dramatiq_6_due_delayed_messages_are_moved_by_consumer_threads() -> None
 def test_dramatiq_7_a_worker_thread_fetches_past_a_backed_off_redis_consumer() -> None:
     from conftest import BROKER_REDIS_URL
     from dramatiq.brokers.redis import RedisBroker
-    from services import require_server
 
     require_server(BROKER_REDIS_URL, "Redis")
     broker = RedisBroker(url=BROKER_REDIS_URL, namespace=f"internals-{uuid.uuid4().hex[:8]}", middleware=[])
@@ -276,3 +282,37 @@ def test_dramatiq_7_a_worker_thread_fetches_past_a_backed_off_redis_consumer() -
     finally:
         worker.stop()
         broker.close()
+
+
+# -- redis-py (singleton_tasks/stores/_redis_call.py) -------------------------------------------
+@pytest.mark.redis
+def test_redis_py_a_pinned_connection_takes_packed_commands_and_reconnects_by_connect() -> None:
+    """``_sock`` is None until connected and after ``disconnect()``; a packed command written by
+    ``send_packed_command`` is answered by ``read_response``; the retry policy takes ``(call,
+    failed)``; a Sentinel-managed connection has a ``connect`` of its own (the one that asks the
+    sentinels), and ``send_packed_command`` reconnects by another way (the reason the module
+    calls ``connect()`` itself)."""
+    require_server(REDIS_URL, "Redis")
+    client = redis.Redis.from_url(REDIS_URL, single_connection_client=True)
+    try:
+        conn = client.connection
+        assert conn is not None
+        conn.disconnect()
+        assert conn._sock is None
+        conn.connect()
+        assert conn._sock is not None
+        answers: list[Any] = []
+
+        def call() -> Any:
+            conn.send_packed_command([_resp_command([b"ECHO", b"a"]), _resp_command([b"ECHO", b"b"])])
+            answers.append(conn.read_response())
+            return conn.read_response()
+
+        assert conn.retry.call_with_retry(call, lambda _error: conn.disconnect()) == b"b"
+        assert answers == [b"a"]
+    finally:
+        client.close()
+    sentinel_connection = redis.sentinel.SentinelManagedConnection
+    assert sentinel_connection.connect is not redis.connection.Connection.connect
+    packed_send = inspect.getsource(redis.connection.Connection.send_packed_command)
+    assert "self.connect()" not in packed_send, "redis-py reconnects by connect() now: reason 2 is gone"

@@ -108,6 +108,63 @@ def test_inspect_and_operator_release_reach_every_primary(
 
 
 @cluster
+def test_each_slot_indexes_its_own_busy_keys_and_inspect_never_scans(
+    store: RedisClusterStore, redis_cluster: LoopbackCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The busy-key index of a key lives in the key's own slot (the script updates both at once,
+    else CROSSSLOT), lists it exactly while it has runs, and `inspect` reads the indexes, never SCAN."""
+    busy = keys_on_distinct_primaries(store, redis_cluster)
+    for key in busy:
+        assert store.claim(RunSpec(SCOPE, key, f"holder-{key}"), 0, None).decision is Decision.ADMITTED
+    for number in range(30):  # idle keys, spread over the slots
+        spec = RunSpec(SCOPE, f"idle{number}", f"r{number}")
+        outcome = store.claim(spec, 0, None)
+        assert store.release(SCOPE, spec.key, spec.run_id, token=outcome.token).released
+    client = store._client
+    for key in busy:
+        prefix = store._prefix(SCOPE, key)
+        index = store._index_key(prefix[len(store.namespace) + 1 : -1])
+        assert client.keyslot(index) == client.keyslot(prefix + b"meta")
+        assert prefix[len(store.namespace) + 1 : -1] in client.smembers(index)
+    indexes = list(client.scan_iter(match=f"{store.namespace}:{{*}}:busy", count=1000))
+    assert sum(client.scard(index) for index in indexes) == len(busy)
+
+    def no_scan(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("inspect scanned the database")
+
+    monkeypatch.setattr(client, "scan_iter", no_scan)
+    assert sorted(s.key for s in store.snapshot()) == sorted(busy)
+    for key in busy:
+        released = store.operator_release(f"holder-{key}")
+        assert released is not None and released.released
+    assert store.snapshot() == []
+    monkeypatch.undo()
+    # Idle again: no index is left behind.
+    assert list(client.scan_iter(match=f"{store.namespace}:{{*}}:busy", count=1000)) == []
+
+
+@cluster
+def test_migrate_from_version_2_indexes_the_busy_keys_of_every_primary(
+    store: RedisClusterStore, redis_cluster: LoopbackCluster
+) -> None:
+    """A namespace written before the busy index: `migrate` scans every primary and lists each
+    busy key in its own slot's index."""
+    busy = keys_on_distinct_primaries(store, redis_cluster)
+    for key in busy:
+        assert store.claim(RunSpec(SCOPE, key, f"holder-{key}"), 0, None).decision is Decision.ADMITTED
+    client = store._client
+    indexes = list(client.scan_iter(match=f"{store.namespace}:{{*}}:busy", count=1000))
+    assert len(indexes) == len(busy)
+    for index in indexes:  # what version 2 left: the keys, no index
+        client.delete(index)
+    store.set_schema_version_for_tests(2)
+    assert store.snapshot() == []
+    store.migrate()
+    store.check_schema()
+    assert sorted(s.key for s in store.snapshot()) == sorted(busy)
+
+
+@cluster
 def test_a_phantom_holder_is_shown_evicted_and_released_on_the_cluster(
     store: RedisClusterStore, redis_cluster: LoopbackCluster
 ) -> None:

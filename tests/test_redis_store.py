@@ -29,7 +29,7 @@ from singleton_tasks.stores.memory import MemoryStore
 from singleton_tasks.testing import ManualClock, at
 
 redis_mod = pytest.importorskip("redis")
-from singleton_tasks.stores.redis import RedisStore, _run_record, _text  # noqa: E402
+from singleton_tasks.stores.redis import RedisStore, _hash_tag, _run_record, _text  # noqa: E402
 
 pytestmark = pytest.mark.redis
 
@@ -76,6 +76,10 @@ def _redis_state(
         for run_id in ids:
             pipe.hgetall(prefix + b"run:" + run_id)
     fields = iter(pipe.execute())
+    # The busy index lists exactly the keys with runs: none missing (inspect would lose it),
+    # none left over (state would grow with every key ever used).
+    busy = {prefix[len(store._ns_colon) : -1] for prefix, ids in zip(prefixes, run_ids, strict=True) if ids}
+    assert client.smembers(store._index_key(b"")) == busy, "the busy index is out of step"
     state: dict[tuple[str, str], Any] = {}
     for (scope, key), prefix, meta, ids in zip(keys, prefixes, metas, run_ids, strict=True):
         runs = {run_id.decode("utf-8", "surrogatepass"): _run_record(run_id, next(fields)) for run_id in ids}
@@ -369,10 +373,13 @@ def test_hash_tag_hides_the_key_and_key_text_round_trips(namespace: str) -> None
     assert sorted(s.key for s in snaps) == sorted(WEIRD_KEYS)
     assert [s.key for s in store.snapshot(scope="scope {x}", key="nul\0byte")] == ["nul\0byte"]
     for redis_key in store._client.scan_iter(match=f"{namespace}:*"):
-        if redis_key == f"{namespace}:schema".encode():
+        if redis_key in (f"{namespace}:schema".encode(), f"{namespace}:busy".encode()):
             continue
         tag = redis_key.split(b"{", 1)[1].split(b"}", 1)[0]
         assert len(tag) == 40 and all(c in b"0123456789abcdef" for c in tag), redis_key
+    # The busy index lists the keys by their hash tags only, never their text.
+    busy = store._client.smembers(f"{namespace}:busy".encode())
+    assert busy == {_hash_tag("scope {x}", key) for key in WEIRD_KEYS}
     store.close()
 
 
@@ -558,3 +565,89 @@ def test_a_server_refusing_time_in_scripts_is_a_clear_error_and_nothing_is_writt
         store.close()
         admin.acl_deluser(user)
         admin.close()
+
+
+def test_inspect_and_operator_release_read_the_busy_keys_only(
+    namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`inspect`, `top` and `release RUN_ID` cost O(busy keys), however many idle keys the
+    namespace keeps for `retention`: they read the busy-key index, never SCAN the database."""
+    from singleton_tasks.stores import redis as redis_store_module
+
+    commands: list[str] = []
+
+    def count(args: Any) -> None:
+        commands.append((args[0].decode() if isinstance(args[0], bytes) else str(args[0])).upper())
+
+    class CountingConnection(redis_mod.connection.Connection):  # type: ignore[misc]
+        """Every command this client sends, alone or in a pipeline (the scripts are counted apart)."""
+
+        def send_command(self, *args: Any, **kwargs: Any) -> None:
+            count(args)
+            super().send_command(*args, **kwargs)
+
+        def pack_commands(self, pipelined: Any) -> Any:
+            for args in pipelined:
+                count(args)
+            return super().pack_commands(pipelined)
+
+    store = RedisStore(REDIS_URL, namespace=namespace, connection_class=CountingConnection)
+    for i in range(300):  # idle keys, each with its settled marker: 600 Redis keys
+        spec = RunSpec("s", f"idle{i}", f"r{i}")
+        outcome = store.claim(spec, 0, None)
+        assert store.release("s", spec.key, spec.run_id, token=outcome.token).released
+    assert store.claim(RunSpec("s", "held", "h"), 0, None).decision is Decision.ADMITTED
+    assert store.claim(RunSpec("s", "held", "w"), 0, b"w").decision is Decision.GATED
+    assert store.register(RunSpec("s", "queued", "q"), confirmed=False).status is Registered.REGISTERED
+    assert store.operator_release("nobody") is None  # first use of every connection: handshakes
+
+    scripts: list[bytes] = []
+    real_call = redis_store_module._call_script
+
+    def counting_call(client: Any, command: bytes, name: bytes, *args: Any) -> Any:
+        scripts.append(name)
+        return real_call(client, command, name, *args)
+
+    monkeypatch.setattr(redis_store_module, "_call_script", counting_call)
+    commands.clear()
+    assert [(s.key, len(s.holders), len(s.waiters)) for s in store.snapshot()] == [
+        ("held", 1, 1),
+        ("queued", 0, 1),
+    ]
+    # One page of the index, then one read per busy key (two of them).
+    assert commands == ["SSCAN"] and len(scripts) == 2
+    commands.clear()
+    scripts.clear()
+    released = store.operator_release("w")
+    assert released is not None and released.released
+    # The index, an EXISTS + HMGET per busy key in one pipeline, then the release itself.
+    assert commands == ["SSCAN", "EXISTS", "HMGET", "EXISTS", "HMGET"] and len(scripts) == 1
+    store.close()
+
+
+def test_migrate_from_version_2_indexes_the_busy_keys(namespace: str) -> None:
+    """A namespace written before the busy index (schema 2): workers refuse it until `migrate`,
+    which lists every key with runs (idle keys stay out of the index)."""
+    from singleton_tasks.errors import SchemaVersionError
+
+    store = RedisStore(REDIS_URL, namespace=namespace)
+    store.migrate()
+    assert store.claim(RunSpec("s", "held", "h"), 0, None).decision is Decision.ADMITTED
+    assert store.register(RunSpec("s", "queued", "q")).status is Registered.REGISTERED
+    idle = store.claim(RunSpec("s", "idle", "i"), 0, None)
+    assert store.release("s", "idle", "i", token=idle.token).released
+    # What version 2 left: the same keys, no index.
+    store._client.delete(store._index_key(b""))
+    store.set_schema_version_for_tests(2)
+    with pytest.raises(SchemaVersionError, match="migrate"):
+        store.check_schema()
+    store.migrate()
+    store.check_schema()
+    assert store._client.smembers(store._index_key(b"")) == {
+        _hash_tag("s", "held"),
+        _hash_tag("s", "queued"),
+    }
+    assert [s.key for s in store.snapshot()] == ["held", "queued"]
+    store.migrate()  # again: nothing changes
+    assert [s.key for s in store.snapshot()] == ["held", "queued"]
+    store.close()

@@ -49,7 +49,7 @@ from ..config import (
     SingletonConfig,
 )
 from ..errors import SingletonKeyError, StoreUnavailableError
-from ..outcomes import Decision, Registered, RunSpec, Wake
+from ..outcomes import Decision, Registered, RegisterOutcome, RunSpec, Wake
 from ..runtime import GENERATION_FIELD, Gatekeeper, WorkerOptions, check_store_argument
 from ._internals import current_worker_task, is_tracer_call, mark_tracer_call
 
@@ -285,10 +285,38 @@ class SingletonTask(Task):  # type: ignore[misc]
         if dispatch:
             # A chain step accepted with its chain: never fail the parent over the cap or an outage.
             spec = dataclasses.replace(spec, max_queue_depth=None)
+        outcome = self._register_unconfirmed(gatekeeper, bound, spec, dispatch=dispatch)
+        if outcome is None:  # registered at its first delivery (docs/concepts.md#what-other-deliveries-see)
+            return publish(run_id)
+        if outcome.status is Registered.EXISTS:
+            logger.info("%s run %s is already registered: not published again", self.name, run_id)
+            return self.AsyncResult(run_id)
+        # A run with `limit` others of its key ahead can only wait: publish it held back, as its
+        # deferral would be, so no worker claims and defers it first (the line ahead of a wake).
+        held_back = outcome.in_flight > spec.limit and "countdown" not in options and "eta" not in options
+        payload = None
+        if held_back:
+            payload = _encoded_payload(
+                self,
+                run_id,
+                lambda: _signature_for(self, args, kwargs, run_id, link, link_error, shadow, options),
+            )
+        result = self._publish_registered(gatekeeper, spec, publish, payload, outcome.in_flight)
+        self._after_publish(gatekeeper, spec, payload)
+        return result
+
+    def _register_unconfirmed(
+        self, gatekeeper: Gatekeeper, bound: BoundSingleton, spec: RunSpec, *, dispatch: bool
+    ) -> RegisterOutcome | None:
+        """Register the run before it is published; None: the store is down, publish it unregistered
+        (a worker's dispatch of a chain step).
+
+        Unconfirmed until published: a producer that dies before it publishes leaves a
+        registration that is passed over after the registration grace, not a ghost. A send
+        outside a worker's dispatch raises StoreUnavailableError when the store is down.
+        """
         try:
-            # Unconfirmed until published: a producer that dies before it publishes leaves a
-            # registration that is passed over after the registration grace, not a ghost.
-            outcome = gatekeeper.register(bound, spec, confirmed=False)
+            return gatekeeper.register(bound, spec, confirmed=False)
         except StoreUnavailableError:
             if not dispatch:
                 if not gatekeeper.ready:
@@ -297,48 +325,46 @@ class SingletonTask(Task):  # type: ignore[misc]
                 # undo it, or a pending waiter that was never published would hold the line.
                 _undo_registration(gatekeeper, spec, self.name)
                 raise
-            logger.warning("store unavailable: publishing %s run %s unregistered", self.name, run_id)
-            # Registered at first delivery: docs/concepts.md#what-other-deliveries-see.
-            return publish(run_id)
-        if outcome.status is Registered.EXISTS:
-            logger.info("%s run %s is already registered: not published again", self.name, run_id)
-            return self.AsyncResult(run_id)
-        # A run with `limit` others of its key ahead can only wait: publish it held back, as its
-        # deferral would be, so no worker claims and defers it first (the line ahead of a wake).
-        payload = None
-        if outcome.in_flight > spec.limit and "countdown" not in options and "eta" not in options:
-            payload = _encoded_payload(
-                self,
-                run_id,
-                lambda: _signature_for(self, args, kwargs, run_id, link, link_error, shadow, options),
-            )
+            logger.warning("store unavailable: publishing %s run %s unregistered", self.name, spec.run_id)
+            return None
+
+    def _publish_registered(
+        self,
+        gatekeeper: Gatekeeper,
+        spec: RunSpec,
+        publish: Callable[..., Any],
+        payload: bytes | None,
+        in_flight: int,
+    ) -> Any:
+        """Publish a registered run, held back when it has a payload; a failure undoes the registration."""
         try:
             if payload is None:
-                result = publish(run_id)
-            else:
-                result = publish(
-                    run_id, countdown=gatekeeper.deferral_delay(outcome.in_flight - spec.limit, spec.limit)
-                )
+                return publish(spec.run_id)
+            return publish(
+                spec.run_id, countdown=gatekeeper.deferral_delay(in_flight - spec.limit, spec.limit)
+            )
         except BaseException:
             _undo_registration(gatekeeper, spec, self.name)
             raise
+
+    def _after_publish(self, gatekeeper: Gatekeeper, spec: RunSpec, payload: bytes | None) -> None:
+        """Confirm a published registration, or park one published held back (with its payload)."""
         if payload is None:
             try:
                 gatekeeper.confirm(spec)
             except StoreUnavailableError as error:
                 # Published all the same: its delivery confirms it (it takes its place in line).
-                logger.warning("%s run %s published, not confirmed (%s)", self.name, run_id, error)
-            return result
+                logger.warning("%s run %s published, not confirmed (%s)", self.name, spec.run_id, error)
+            return
         try:
             _publish_wakes(self._get_app(), gatekeeper.park(self.name, spec, payload))
         except Exception:
             # Published all the same: its held-back copy claims at its countdown, as a deferral.
             logger.warning(
-                "could not park %s run %s: it waits for its countdown", self.name, run_id, exc_info=True
+                "could not park %s run %s: it waits for its countdown", self.name, spec.run_id, exc_info=True
             )
-        return result
 
-    # -- gate (docs/concepts.md#the-life-of-a-run) ---------------------------------------------------------
+    # -- gate hook (docs/concepts.md#the-life-of-a-run) ----------------------------------------------------
     def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
         super().before_start(task_id, args, kwargs)
         bound = self._singleton_binding()

@@ -304,7 +304,7 @@ class SingletonMiddleware(dramatiq.Middleware):
         callbacks = options.get("group_completion_callbacks") or ()
         return any(isinstance(c, dict) and c.get("message_id") == message.message_id for c in callbacks)
 
-    # -- gate ------------------------------------------------------------------------------
+    # -- gate hook -------------------------------------------------------------------------
     def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
         """Claim a slot; a denied delivery is deferred and skipped, never run (docs/concepts.md)."""
         bound = _bound_for(broker, message.actor_name)

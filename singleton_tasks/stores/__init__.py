@@ -4,114 +4,68 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Callable
-from types import ModuleType
+import threading
 from typing import Any
 from urllib.parse import urlsplit
 
 from ..errors import SingletonConfigError
 from .base import SCHEMA_VERSION, RuleStore, Store, redact_url
 
-# scheme -> "module:Class", imported only when used so drivers stay optional.
-STORE_CLASSES: dict[str, str] = {
-    "memory": "singleton_tasks.stores.memory:MemoryStore",
-    "sqlite": "singleton_tasks.stores.sqlite:SQLiteStore",
-    "redis": "singleton_tasks.stores.redis:RedisStore",
-    "rediss": "singleton_tasks.stores.redis:RedisStore",
-    "redis+cluster": "singleton_tasks.stores.redis_cluster:RedisClusterStore",
-    "rediss+cluster": "singleton_tasks.stores.redis_cluster:RedisClusterStore",
-    "redis+sentinel": "singleton_tasks.stores.redis_sentinel:RedisSentinelStore",
-    "rediss+sentinel": "singleton_tasks.stores.redis_sentinel:RedisSentinelStore",
-    "postgresql": "singleton_tasks.stores.postgres:PostgresStore",
-    "postgres": "singleton_tasks.stores.postgres:PostgresStore",
-}
+# The store classes, in the order a scheme is looked for: each class declares its own schemes,
+# drivers and extra (Store.schemes / .drivers / .extra). A store's module imports its driver only
+# if it is installed, so a lookup imports the modules up to the one serving the scheme (memory://
+# imports no driver) and an unknown scheme imports them all to name the known ones.
+_STORES = (
+    "memory:MemoryStore",
+    "sqlite:SQLiteStore",
+    "postgres:PostgresStore",
+    "redis:RedisStore",
+    "redis_sentinel:RedisSentinelStore",
+    "redis_cluster:RedisClusterStore",
+)
+_found: dict[str, type[Store]] = {}
+_imported = 0  # how many of _STORES have been imported into _found
+_lock = threading.Lock()
 
 
-def _scheme(url: object) -> str:
-    """The URL's known scheme, or a SingletonConfigError naming it and the known ones."""
+def _store_class(scheme: str | None) -> type[Store] | None:
+    """The class serving ``scheme`` (None: not known); with None, import every store class."""
+    global _imported
+    with _lock:
+        while scheme not in _found and _imported < len(_STORES):
+            module_name, class_name = _STORES[_imported].split(":")
+            module = importlib.import_module(f"{__name__}.{module_name}")
+            store_class: type[Store] = getattr(module, class_name)
+            for served in store_class.schemes:
+                _found.setdefault(served, store_class)
+            _imported += 1
+    return _found.get(scheme) if scheme is not None else None
+
+
+def store_classes() -> dict[str, type[Store]]:
+    """Every known scheme and the store class serving it (imports every store module)."""
+    _store_class(None)
+    return dict(_found)
+
+
+def _class_for(url: object) -> type[Store]:
+    """The class serving the URL's scheme, or a SingletonConfigError naming it and the known ones."""
     if not isinstance(url, str) or "://" not in url:
         raise SingletonConfigError(
             f"malformed store URL {redact_url(url) if isinstance(url, str) else url!r}: "
-            f"expected scheme://…, one of {sorted(STORE_CLASSES)}"
+            f"expected scheme://…, one of {sorted(store_classes())}"
         )
     try:
         scheme = urlsplit(url).scheme.lower()
     except ValueError as error:
         raise SingletonConfigError(f"malformed store URL {redact_url(url)}: {error}") from None
-    if scheme not in STORE_CLASSES:
+    store_class = _store_class(scheme)
+    if store_class is None:
         raise SingletonConfigError(
-            f"unknown store scheme {scheme!r} in {redact_url(url)}; known: {sorted(STORE_CLASSES)}"
+            f"unknown store scheme {scheme!r} in {redact_url(url)}; known: {sorted(store_classes())}"
         )
-    return scheme
-
-
-def _store_module(scheme: str) -> ModuleType:
-    """The store's module: importing it imports its driver, or names the extra that installs it."""
-    module_name = STORE_CLASSES[scheme].split(":")[0]
-    try:
-        return importlib.import_module(module_name)
-    except ImportError as error:
-        extra = "postgres" if scheme.startswith("postgres") else "redis" if "redis" in scheme else scheme
-        raise SingletonConfigError(
-            f"the {scheme}:// store needs its driver: pip install 'singleton-tasks[{extra}]' ({error})"
-        ) from error
-
-
-def _check_sqlite(url: str) -> None:
-    from .sqlite import sqlite_path
-
-    sqlite_path(url)
-
-
-def _check_redis(url: str) -> None:
-    import redis.connection
-
-    from .redis import split_store_options, store_options
-
-    store_options(url, {})  # the store's own options (allow_eviction, wait_replicas, ...)
-    redis.connection.parse_url(split_store_options(url)[0])  # type: ignore[no-untyped-call]  # ValueError: a bad port or option
-
-
-def _check_redis_sentinel(url: str) -> None:
-    import redis.connection
-
-    from .redis import split_store_options, store_options
-    from .redis_sentinel import parse_sentinel_url
-
-    store_options(url, {})
-    redis.connection.parse_url(parse_sentinel_url(split_store_options(url)[0]).node_url)  # type: ignore[no-untyped-call]
-
-
-def _check_redis_cluster(url: str) -> None:
-    from .redis_cluster import cluster_seeds
-
-    cluster_seeds(url)  # ValueError: no host, a bad port, a database other than 0, a bad option
-
-
-def _check_postgres(url: str) -> None:
-    import psycopg.conninfo
-
-    try:
-        psycopg.conninfo.conninfo_to_dict(url)
-    except psycopg.Error as error:
-        raise ValueError(str(error)) from None
-
-
-# Schemes without one port (memory://, several hosts): their own check reads the addresses.
-_MULTI_HOST_SCHEMES = ("memory", "redis+cluster", "rediss+cluster", "redis+sentinel", "rediss+sentinel")
-
-# Syntax checks that need no connection; schemes without one get the generic checks only.
-_URL_CHECKS: dict[str, Callable[[str], None]] = {
-    "sqlite": _check_sqlite,
-    "redis": _check_redis,
-    "rediss": _check_redis,
-    "redis+cluster": _check_redis_cluster,
-    "rediss+cluster": _check_redis_cluster,
-    "redis+sentinel": _check_redis_sentinel,
-    "rediss+sentinel": _check_redis_sentinel,
-    "postgresql": _check_postgres,
-    "postgres": _check_postgres,
-}
+    store_class.check_drivers(scheme)
+    return store_class
 
 
 def check_store_url(url: str) -> str:
@@ -121,14 +75,9 @@ def check_store_url(url: str) -> str:
     scheme, a malformed URL or a driver that is not installed. Adapters call it when they are
     constructed, so a typo fails at setup rather than at the first run.
     """
-    scheme = _scheme(url)
-    _store_module(scheme)
+    store_class = _class_for(url)
     try:
-        if scheme not in _MULTI_HOST_SCHEMES:
-            urlsplit(url).port  # noqa: B018 - raises ValueError on a port that is not a number
-        check = _URL_CHECKS.get(scheme)
-        if check is not None:
-            check(url)
+        store_class.check_url(url)
     except ValueError as error:  # SingletonConfigError is one: its own message is kept
         if isinstance(error, SingletonConfigError):
             raise
@@ -140,15 +89,13 @@ def check_store_url(url: str) -> str:
         if password and password in detail:  # a driver's message may quote the URL
             detail = detail.replace(password, "***")
         raise SingletonConfigError(f"malformed store URL {redact_url(url)}: {detail}") from None
-    return scheme
+    return urlsplit(url).scheme.lower()
 
 
 def store_from_url(url: str, *, namespace: str = "default", **options: Any) -> Store:
     """A store for ``url`` (``memory://``, ``sqlite:///path``, ``redis://…``, ``redis+sentinel://…``,
     ``postgresql://…``)."""
-    scheme = _scheme(url)
-    module = _store_module(scheme)
-    store_class: type[Store] = getattr(module, STORE_CLASSES[scheme].split(":")[1])
+    store_class = _class_for(url)
     try:
         inspect.signature(store_class).bind(url, namespace=namespace, **options)
     except TypeError as error:
@@ -158,10 +105,10 @@ def store_from_url(url: str, *, namespace: str = "default", **options: Any) -> S
 
 __all__ = [
     "SCHEMA_VERSION",
-    "STORE_CLASSES",
     "RuleStore",
     "Store",
     "check_store_url",
     "redact_url",
+    "store_classes",
     "store_from_url",
 ]

@@ -228,48 +228,7 @@ class SQLCursor:
 
 def _record(row: Sequence[Any], load_text: Callable[[str], str]) -> RunRecord:
     """A run row, selected in RunRecord field order, as a record."""
-    (
-        run_id,
-        seq,
-        state,
-        created_at,
-        confirmed,
-        generation,
-        live,
-        payload,
-        token,
-        holder_generation,
-        admitted_at,
-        heartbeat_at,
-        lease_expires_at,
-        executing,
-        lease,
-        orphan_timeout,
-        recheck,
-        seen_at,
-        passed_over_at,
-    ) = row
-    return RunRecord(
-        run_id=load_text(str(run_id)),
-        seq=int(seq),
-        state=RunState(state),
-        created_at=float(created_at),
-        confirmed=bool(confirmed),
-        generation=int(generation),
-        live=[int(g) for g in str(live).split(",") if g],
-        payload=None if payload is None else bytes(payload),
-        token=int(token),
-        holder_generation=int(holder_generation),
-        admitted_at=float(admitted_at),
-        heartbeat_at=float(heartbeat_at),
-        lease_expires_at=float(lease_expires_at),
-        executing=bool(executing),
-        lease=float(lease),
-        orphan_timeout=None if orphan_timeout is None else float(orphan_timeout),
-        recheck=float(recheck),
-        seen_at=float(seen_at),
-        passed_over_at=None if passed_over_at is None else float(passed_over_at),
-    )
+    return gate.decode_run(load_text(str(row[0])), row[1:])
 
 
 class SQLKeyTransaction(KeyTransaction):
@@ -366,31 +325,7 @@ class SQLKeyTransaction(KeyTransaction):
         return None if run is None else run.copy()
 
     def save_run(self, run: RunRecord) -> None:
-        self._cursor.run(
-            "save_run",
-            {
-                **self._key,
-                "run_id": self._text(run.run_id),
-                "seq": run.seq,
-                "state": run.state.value,
-                "created_at": run.created_at,
-                "confirmed": run.confirmed,
-                "generation": run.generation,
-                "live": ",".join(str(g) for g in run.live),
-                "payload": run.payload,
-                "token": run.token,
-                "holder_generation": run.holder_generation,
-                "admitted_at": run.admitted_at,
-                "heartbeat_at": run.heartbeat_at,
-                "lease_expires_at": run.lease_expires_at,
-                "executing": run.executing,
-                "lease": run.lease,
-                "orphan_timeout": run.orphan_timeout,
-                "recheck": run.recheck,
-                "seen_at": run.seen_at,
-                "passed_over_at": run.passed_over_at,
-            },
-        )
+        self._cursor.run("save_run", {**self._key, **gate.encode_run(run), "run_id": self._text(run.run_id)})
         if self._holders is not None:
             if run.run_id not in self._runs:
                 self._holders = None  # whether this inserted a row is unknown: reload when asked

@@ -5,6 +5,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
+import importlib
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -29,7 +30,8 @@ from ..outcomes import (
 )
 
 #: Version 2: store-side time, ``seen_at`` / ``passed_over_at`` per run, idle keys expire.
-SCHEMA_VERSION = 2
+#: Version 3: Redis lists its busy keys in an index (no change to the SQL schemas).
+SCHEMA_VERSION = 3
 
 #: A zero-argument callable giving epoch seconds: the test-only ``clock=`` option of every store.
 Clock = Callable[[], float]
@@ -95,6 +97,10 @@ class Store(abc.ABC):
 
     #: The URL schemes this class serves (``store_from_url`` looks them up here).
     schemes: ClassVar[tuple[str, ...]] = ()
+    #: The driver modules the store needs and the extra that installs them: the store's module
+    #: imports them only when installed, and :meth:`check_drivers` names the extra otherwise.
+    drivers: ClassVar[tuple[str, ...]] = ()
+    extra: ClassVar[str] = ""
     #: Whose clock decides: ``"server"`` (a clock shared by every host) or ``"host"`` (the clock
     #: of the one host the store serves).
     clock_source: ClassVar[str] = "host"
@@ -108,6 +114,7 @@ class Store(abc.ABC):
         timings: Timings | None = None,
         clock: Clock | None = None,
     ) -> None:
+        self.check_drivers()
         self.url = redact_url(url)
         self.namespace = check_namespace(namespace)
         timings = timings or Timings()
@@ -122,6 +129,26 @@ class Store(abc.ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.url} namespace={self.namespace!r}>"
+
+    @classmethod
+    def check_drivers(cls, scheme: str | None = None) -> None:
+        """SingletonConfigError naming the extra to install when a driver module is missing."""
+        for module in cls.drivers:
+            try:
+                importlib.import_module(module)
+            except ImportError as error:
+                install = f"pip install 'singleton-tasks[{cls.extra}]'"
+                raise SingletonConfigError(
+                    f"the {scheme or cls.schemes[0]}:// store needs its driver: {install} ({error})"
+                ) from error
+
+    @classmethod
+    def check_url(cls, url: str) -> None:
+        """Check the URL's syntax without connecting: ValueError naming what is wrong.
+
+        The default reads the port; stores of several hosts or none check their own way.
+        """
+        urlsplit(url).port  # noqa: B018 - raises ValueError on a port that is not a number
 
     @property
     def retention(self) -> float:

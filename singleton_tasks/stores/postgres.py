@@ -14,9 +14,12 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-import psycopg
-import psycopg.conninfo
-from psycopg_pool import ConnectionPool
+try:  # the driver, when installed (Store.check_drivers names the extra otherwise)
+    import psycopg
+    import psycopg.conninfo
+    from psycopg_pool import ConnectionPool
+except ImportError:  # pragma: no cover - the core-only install (tests/test_extras.py)
+    pass
 
 from ..errors import SingletonConfigError, StoreUnavailableError
 from ..gate import Timings
@@ -37,6 +40,17 @@ class PostgresStore(SQLStore):
     """
 
     schemes = ("postgresql", "postgres")
+    drivers = ("psycopg", "psycopg_pool")
+    extra = "postgres"
+
+    @classmethod
+    def check_url(cls, url: str) -> None:
+        super().check_url(url)
+        try:
+            psycopg.conninfo.conninfo_to_dict(url)
+        except psycopg.Error as error:
+            raise ValueError(str(error)) from None
+
     clock_source = "server"
     dialect = POSTGRES
 

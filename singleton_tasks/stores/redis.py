@@ -5,6 +5,14 @@ holds the shared building blocks and the data layout); the contract suite keeps 
 identical. All data of one scope+key lives under one hash tag derived from a digest of the
 scope and key, so the store works on Redis Cluster and any key text round-trips unchanged.
 
+Keys with runs (holders or waiters) are listed in an index the scripts keep in the same call
+that changes them (``lib.lua``'s ``finish``): a set of their hash tags, ``<namespace>:busy``.
+``inspect``, ``top`` and operator release read that set and the keys it names, so their cost
+grows with the busy keys, never with the idle ones a namespace keeps for ``retention``. A
+namespace written by schema version 2 or older has no index: ``migrate`` builds it (one
+``SCAN`` of the database), and workers refuse an unmigrated namespace
+(docs/deployment.md#schema-upgrades).
+
 On Redis 7 and later the scripts are loaded once as a function library and each operation is
 one ``FCALL``: ``lib.lua`` then runs once per server instead of once per call (it is about two
 thirds of a small operation's server time). Servers without functions, or users not allowed
@@ -25,10 +33,17 @@ from importlib import resources
 from typing import Any, NoReturn
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-import redis
-import redis.exceptions
-from redis.commands.core import Script
+try:  # the driver, when installed (Store.check_drivers names the extra otherwise)
+    import redis
+    import redis.connection
+    import redis.exceptions
+    from redis.commands.core import Script
 
+    from ._redis_call import call_script as _call_script  # imports the driver too
+except ImportError:  # pragma: no cover - the core-only install (tests/test_extras.py)
+    pass
+
+from .. import gate
 from ..errors import SingletonConfigError, StoreUnavailableError
 from ..gate import KeyMeta, RunRecord, Timings
 from ..outcomes import (
@@ -262,70 +277,6 @@ def _maybe_int(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
-def _resp_command(parts: Sequence[bytes]) -> bytes:
-    """One command in RESP: an array of bulk strings."""
-    out = [b"*%d\r\n" % len(parts)]
-    for part in parts:
-        out.append(b"$%d\r\n%s\r\n" % (len(part), part))
-    return b"".join(out)
-
-
-def _call_script(
-    client: redis.Redis,
-    command: bytes,
-    name: bytes,
-    numkeys: int,
-    keys_and_args: Sequence[bytes | str],
-    wait: Sequence[bytes] | None = None,
-) -> Any:
-    """``EVALSHA sha`` or ``FCALL function`` on the client's own connection, with its retry policy.
-
-    redis-py's general path (command parsing, observability hooks, a lock, per-argument packing)
-    cost about twice the CPU of the call itself, and a worker of many threads is bound by that
-    CPU under the GIL. The reply and its errors (NoScriptError, ...) are the same.
-
-    ``wait`` (``WAIT numreplicas timeout``) is sent in the same write, right behind the call:
-    still one round trip. The reply is then ``(the call's reply, replicas that acknowledged)``.
-    """
-    conn = client.connection
-    if conn is None:  # not a single-connection client: take the general path
-        call_general = client.fcall if command == b"FCALL" else client.evalsha
-        reply = call_general(name.decode(), numkeys, *keys_and_args)
-        return reply if wait is None else (reply, client.execute_command("WAIT", *wait))  # type: ignore[no-untyped-call]
-    packed = [
-        _resp_command(
-            [
-                command,
-                name,
-                b"%d" % numkeys,
-                *(part if isinstance(part, bytes) else _text(part) for part in keys_and_args),
-            ]
-        )
-    ]
-    if wait is not None:
-        packed.append(_resp_command([b"WAIT", *wait]))
-
-    def call() -> Any:
-        if getattr(conn, "_sock", None) is None:
-            # Reconnect by the connection's own connect(): a Sentinel-managed connection asks the
-            # sentinels for the primary there (send_packed_command would reconnect to the old one).
-            conn.connect()  # type: ignore[no-untyped-call]
-        conn.send_packed_command(packed, check_health=False)  # type: ignore[no-untyped-call]
-        if wait is None:
-            return conn.read_response()
-        try:
-            reply = conn.read_response()
-        except redis.exceptions.ResponseError:
-            conn.read_response()  # WAIT's reply: the connection stays in step
-            raise
-        return reply, conn.read_response()
-
-    def failed(_error: Exception) -> None:
-        conn.disconnect()  # type: ignore[no-untyped-call]
-
-    return conn.retry.call_with_retry(call, failed)
-
-
 def _wakes(scope: str, key: str, rows: Sequence[Sequence[Any]]) -> tuple[Wake, ...]:
     return tuple(Wake(scope, key, _str(run_id), int(gen), payload) for run_id, gen, payload in rows)
 
@@ -338,34 +289,11 @@ def _pairs(flat: Sequence[bytes]) -> dict[bytes, bytes]:
     return dict(zip(flat[::2], flat[1::2], strict=True))
 
 
-def _opt_float(value: bytes | None) -> float | None:
-    return float(value) if value else None
+_RUN_FIELDS = tuple(name.encode() for name in gate.RUN_FIELDS[1:])  # the run hash's fields
 
 
 def _run_record(run_id: bytes, fields: dict[bytes, bytes]) -> RunRecord:
-    orphan = fields.get(b"orphan_timeout", b"")
-    live = fields.get(b"live", b"")
-    return RunRecord(
-        run_id=_str(run_id),
-        seq=int(fields[b"seq"]),
-        state=RunState(fields[b"state"].decode()),
-        created_at=float(fields[b"created_at"]),
-        confirmed=fields[b"confirmed"] == b"1",
-        generation=int(fields[b"generation"]),
-        live=[int(g) for g in live.split(b",")] if live else [],
-        payload=fields.get(b"payload"),
-        token=int(fields[b"token"]),
-        holder_generation=int(fields[b"holder_generation"]),
-        admitted_at=float(fields[b"admitted_at"]),
-        heartbeat_at=float(fields[b"heartbeat_at"]),
-        lease_expires_at=float(fields[b"lease_expires_at"]),
-        executing=fields[b"executing"] == b"1",
-        lease=float(fields[b"lease"]),
-        orphan_timeout=float(orphan) if orphan else None,
-        recheck=float(fields[b"recheck"]),
-        seen_at=float(fields[b"seen_at"]),
-        passed_over_at=_opt_float(fields.get(b"passed_over_at")),
-    )
+    return gate.decode_run(_str(run_id), [fields.get(name) for name in _RUN_FIELDS])
 
 
 def _phantom_views(entries: Sequence[Sequence[Any]]) -> tuple[list[HolderView], list[WaiterView]]:
@@ -388,6 +316,21 @@ class RedisStore(Store):
     """
 
     schemes = ("redis", "rediss")
+    drivers = ("redis",)
+    extra = "redis"
+
+    @classmethod
+    def check_url(cls, url: str) -> None:
+        store_options(url, {})  # the store's own options (allow_eviction, wait_replicas, ...)
+        node_url = cls._node_url(split_store_options(url)[0])
+        super().check_url(node_url)
+        redis.connection.parse_url(node_url)  # type: ignore[no-untyped-call]  # ValueError: a bad option
+
+    @staticmethod
+    def _node_url(url: str) -> str:
+        """The URL redis-py's parser reads (a store of several hosts names one of them)."""
+        return url
+
     clock_source = "server"
 
     def __init__(
@@ -453,6 +396,7 @@ class RedisStore(Store):
         }
         self._ns = _text(self.namespace)
         self._ns_colon = self._ns + b":"
+        self._busy_key = self._ns_colon + b"busy"
         self._threads = threading.local()
 
     def _connect(self, url: str, redis_options: dict[str, Any]) -> redis.Redis:
@@ -552,6 +496,11 @@ class RedisStore(Store):
     @property
     def _schema_key(self) -> bytes:
         return self._ns + b":schema"
+
+    def _index_key(self, tag: bytes) -> bytes:
+        """The busy-key index that lists the key of hash tag ``tag``: on one server, one per
+        namespace whatever the tag (the cluster store keeps one per hash slot)."""
+        return self._busy_key
 
     # -- plumbing -----------------------------------------------------------------------------
 
@@ -662,16 +611,18 @@ class RedisStore(Store):
 
     def _key_op(self, name: str, scope: str, key: str, run_id: str, *args: bytes) -> Any:
         """A per-key script: lib.lua's KEYS and ARGV layout, then ``args``."""
-        prefix, run = self._ns_colon + _hash_tag(scope, key) + b":", _text(run_id)
+        tag, run = _hash_tag(scope, key), _text(run_id)
+        prefix = self._ns_colon + tag + b":"
         return self._eval(
             name,
-            6,
+            7,
             prefix + b"meta",
             prefix + b"waiters",
             prefix + b"holders",
             prefix + b"overdue",
             prefix + b"run:" + run,
             prefix + b"settled:" + run,
+            self._index_key(tag),
             _text(scope),
             _text(key),
             run,
@@ -801,14 +752,20 @@ class RedisStore(Store):
             )
         return snap
 
+    def _busy_tags(self) -> list[bytes]:
+        """The hash tags of the keys with runs, from the namespace's busy-key index."""
+        self._check_server_once()
+        try:
+            return sorted(self._client.sscan_iter(self._busy_key, count=1000))
+        except redis.exceptions.RedisError as error:
+            self._fail(error)
+
     def snapshot(self, *, scope: str | None = None, key: str | None = None) -> list[KeySnapshot]:
         if scope is not None and key is not None:
             meta_keys: list[bytes] = [self._prefix(scope, key) + b"meta"]
         else:
-            # Keys with runs have a holders or a waiters index (idle keys have neither).
-            prefixes = {k[: -len(b"holders")] for k in self._scan(b"holders")}
-            prefixes |= {k[: -len(b"waiters")] for k in self._scan(b"waiters")}
-            meta_keys = [p + b"meta" for p in sorted(prefixes)]
+            # The busy index names every key with runs (idle keys are not read at all).
+            meta_keys = [self._ns_colon + tag + b":meta" for tag in self._busy_tags()]
         snaps = []
         for meta_key in meta_keys:
             snap = self._snapshot_of(meta_key)
@@ -822,21 +779,27 @@ class RedisStore(Store):
         return sorted(snaps, key=lambda s: (s.scope, s.key))
 
     def operator_release(self, run_id: str) -> ReleaseOutcome | None:
-        """Find the run's hashes by name (a SCAN, not a snapshot of every key), then release it.
+        """Find the run's hash among the busy keys (one pipelined read), then release it.
 
         A run id registered under several keys is released from the first in (scope, key)
         order, as the base class does.
         """
         suffix = b"run:" + _text(run_id)
-        owners = []
-        for run_key in self._scan(suffix):
-            meta_key = run_key[: -len(suffix)] + b"meta"
-            try:
-                scope, key = self._client.hmget(meta_key, ["scope", "key"])
-            except redis.exceptions.RedisError as error:
-                self._fail(error)
-            if isinstance(scope, bytes) and isinstance(key, bytes):
-                owners.append((_str(scope), _str(key)))
+        tags = self._busy_tags()
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for tag in tags:
+                prefix = self._ns_colon + tag + b":"
+                pipe.exists(prefix + suffix)
+                pipe.hmget(prefix + b"meta", ["scope", "key"])
+            replies = pipe.execute()
+        except redis.exceptions.RedisError as error:
+            self._fail(error)
+        owners = [
+            (_str(scope), _str(key))
+            for exists, (scope, key) in zip(replies[0::2], replies[1::2], strict=True)
+            if exists and isinstance(scope, bytes) and isinstance(key, bytes)
+        ]
         if not owners:
             return super().operator_release(run_id)  # a phantom has no hash: find it by snapshot
         scope_s, key_s = min(owners)
@@ -853,8 +816,30 @@ class RedisStore(Store):
         return None if value is None else int(value)
 
     def migrate(self) -> None:
-        # Version 1 needs no data conversion: the version key is the whole schema.
+        """Record the schema version; from version 2 or older, first build the busy-key index.
+
+        Versions 1 and 2 kept no index: every key with a holders or a waiters zset is added to
+        it, found by one ``SCAN`` of the database (run it with the workers drained, as every
+        upgrade: a key that goes idle during the scan may stay listed, and is then skipped by
+        ``inspect`` until its next call removes it). Running it again is harmless.
+        """
+        found = self.schema_version()
+        if found is not None and found < SCHEMA_VERSION:
+            self._index_busy_keys()
         self._write_schema_version(SCHEMA_VERSION)
+
+    def _index_busy_keys(self) -> None:
+        """Add every key with runs to the busy-key index (the upgrade from version 2)."""
+        start = len(self._ns_colon)
+        tags = {k[start : start + 42] for k in self._scan(b"holders")}
+        tags |= {k[start : start + 42] for k in self._scan(b"waiters")}
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for tag in sorted(tags):
+                pipe.sadd(self._index_key(tag), tag)
+            pipe.execute()
+        except redis.exceptions.RedisError as error:
+            self._fail(error)
 
     def set_schema_version_for_tests(self, version: int | None) -> None:
         """Pretend another library version wrote this server (the contract suite's mismatch test)."""

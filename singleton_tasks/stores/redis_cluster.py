@@ -15,30 +15,42 @@ on the primary that serves it. What the cluster changes is handled here:
 * Errors of the cluster client that are not ``RedisError`` (no reachable node, a slot not
   covered) are reported as :class:`~singleton_tasks.errors.StoreUnavailableError`, as an
   unreachable server is: nothing is admitted while the cluster cannot answer.
-* ``inspect``/``top`` and operator release ``SCAN`` every primary.
+* The busy-key index (see :mod:`~singleton_tasks.stores.redis`) is one set per hash slot: a
+  script may only touch the slot of its key, so the set that lists a key must live in that
+  key's slot. The set of slot ``s`` is ``<namespace>:{<t>}:busy``, where ``t`` is the smallest
+  decimal number whose CRC16 falls in slot ``s`` (:func:`slot_tags`: fixed by the hash alone,
+  so every process names the same set). ``inspect``/``top`` and operator release read the set
+  of every slot, one pipeline per primary (16,384 ``SMEMBERS`` of sets that are mostly absent),
+  then the keys they list: their cost grows with the busy keys and the primaries, never with
+  the idle keys. A read answered by a redirect (a slot moving) is made again on the routed path.
 """
 
 from __future__ import annotations
 
-import os
-import threading
+import binascii
+import functools
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urlsplit, urlunsplit
 
-import redis
-import redis.connection
-import redis.crc
-import redis.exceptions
-from redis.cluster import ClusterNode, RedisCluster
+try:  # the driver, when installed (Store.check_drivers names the extra otherwise)
+    import redis
+    import redis.connection
+    import redis.crc
+    import redis.exceptions
+    from redis.cluster import ClusterNode
+except ImportError:  # pragma: no cover - the core-only install (tests/test_extras.py)
+    pass
 
 from ..errors import SingletonConfigError, StoreUnavailableError
 from ..outcomes import HeartbeatOutcome, HolderRef
-from .redis import RedisStore, _call_script, _function_library, _no_functions, _text
+from .redis import RedisStore, _function_library, _no_functions
 
-_SCRIPT_COMMANDS = frozenset({"FCALL", "EVALSHA"})
+if TYPE_CHECKING:
+    from ._cluster_client import ClusterClient
 
-CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+#: Hash slots of a Redis Cluster (redis.crc.REDIS_CLUSTER_HASH_SLOTS; here without the driver).
+_SLOTS = 16384
 
 
 def cluster_seeds(url: str) -> tuple[str, list[tuple[str, int]]]:
@@ -48,9 +60,9 @@ def cluster_seeds(url: str) -> tuple[str, list[tuple[str, int]]]:
     not a number, a database other than 0 (a cluster has only database 0).
     """
     parts = urlsplit(url)
-    scheme = CLUSTER_SCHEMES.get(parts.scheme.lower())
-    if scheme is None:
-        raise ValueError(f"expected one of {sorted(CLUSTER_SCHEMES)}, got {parts.scheme!r}")
+    if parts.scheme.lower() not in RedisClusterStore.schemes:
+        raise ValueError(f"expected one of {sorted(RedisClusterStore.schemes)}, got {parts.scheme!r}")
+    scheme = parts.scheme.lower().partition("+")[0]  # the one-node URL's: redis or rediss
     userinfo, _, hosts = parts.netloc.rpartition("@")
     seeds = []
     for host_port in hosts.split(","):
@@ -74,61 +86,23 @@ def cluster_seeds(url: str) -> tuple[str, list[tuple[str, int]]]:
     return single, seeds
 
 
-#: Replies after which the routed path is taken: it follows the redirect or waits out the
-#: cluster's change, and refreshes the slot map the direct path reads.
-_REROUTE = (
-    redis.exceptions.AskError,  # MovedError too
-    redis.exceptions.TryAgainError,
-    redis.exceptions.ClusterDownError,
-    redis.exceptions.ConnectionError,
-    redis.exceptions.TimeoutError,
-    redis.exceptions.RedisClusterException,  # SlotNotCoveredError: the slot map is stale
-)
+@functools.cache
+def slot_tags() -> tuple[bytes, ...]:
+    """For each hash slot, the smallest decimal number (as text) whose CRC16 falls in it.
 
-
-class _ClusterClient(RedisCluster):
-    """redis-py's cluster client, with a direct path for the store's scripts.
-
-    The store's FCALL/EVALSHA go straight to the primary of their keys' slot, on a connection
-    pinned to the calling thread (RedisStore's single-connection call): the routed path costs
-    about twice the client CPU per call, and a worker of many threads is bound by that CPU.
-    A redirect or a failed connection sends the call down the routed path, which follows
-    ``MOVED``/``ASK``, retries ``TRYAGAIN``/cluster-down and refreshes the slot map.
-
-    ``RedisClusterException`` (no node reachable, a slot not covered, ...) does not derive from
-    ``RedisError``; every command passes through ``execute_command``, so translating there lets
-    the store treat it as any other failed call (StoreUnavailableError: fail closed).
+    ``{<tag>}`` then names a key of that slot: the slot's busy-key index. About 170,000 CRCs,
+    computed once per process, when a cluster store first names an index.
     """
-
-    connection = None  # RedisStore's calls take execute_command: routed here, by slot
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._threads = threading.local()
-
-    def execute_command(self, *args: Any, **kwargs: Any) -> Any:
-        if args[0] in _SCRIPT_COMMANDS and not kwargs and int(args[2]) > 0:
-            try:
-                return self._direct(*args)
-            except _REROUTE:
-                pass  # the routed path below follows the cluster's new layout
-        try:
-            return super().execute_command(*args, **kwargs)  # type: ignore[no-untyped-call]
-        except redis.exceptions.RedisClusterException as error:
-            raise redis.exceptions.ConnectionError(f"{type(error).__name__}: {error}") from error
-
-    def _direct(self, command: str, name: str, numkeys: int, *keys_and_args: Any) -> Any:
-        """The call on this thread's connection to the primary of the first key's slot."""
-        node = self.nodes_manager.get_node_from_slot(redis.crc.key_slot(keys_and_args[0]))
-        pool = node.redis_connection.connection_pool
-        threads = self._threads
-        if getattr(threads, "pid", None) != os.getpid():
-            threads.clients, threads.pid = {}, os.getpid()  # a forked child makes its own
-        pinned = threads.clients.get(node.name)
-        if pinned is None or pinned.connection_pool is not pool:
-            pinned = redis.Redis(connection_pool=pool, single_connection_client=True)
-            threads.clients[node.name] = pinned
-        return _call_script(pinned, command.encode(), _text(name), int(numkeys), keys_and_args)
+    tags: list[bytes] = [b""] * _SLOTS
+    missing, number = _SLOTS, 0
+    while missing:
+        text = b"%d" % number
+        slot = binascii.crc_hqx(text, 0) % _SLOTS
+        if not tags[slot]:
+            tags[slot] = text
+            missing -= 1
+        number += 1
+    return tuple(tags)
 
 
 class RedisClusterStore(RedisStore):
@@ -142,13 +116,19 @@ class RedisClusterStore(RedisStore):
 
     schemes = ("redis+cluster", "rediss+cluster")
 
+    @classmethod
+    def check_url(cls, url: str) -> None:
+        cluster_seeds(url)  # ValueError: no host, a bad port, a database other than 0, a bad option
+
     def _connect(self, url: str, redis_options: dict[str, Any]) -> redis.Redis:
+        from ._cluster_client import ClusterClient
+
         if self._wait is not None:
             # Each call goes to its slot's primary on a pinned connection, without the WAIT.
             raise SingletonConfigError(f"{self!r}: wait_replicas is not supported on a Redis Cluster store")
         single, seeds = cluster_seeds(url)
         try:
-            client = _ClusterClient(
+            client = ClusterClient(
                 url=single,
                 startup_nodes=[ClusterNode(host, port) for host, port in seeds[1:]],  # type: ignore[no-untyped-call]
                 **redis_options,
@@ -169,8 +149,41 @@ class RedisClusterStore(RedisStore):
         # RedisCluster serves every command the store sends (the same command methods as Redis).
         return cast(redis.Redis, client)
 
+    def _index_key(self, tag: bytes) -> bytes:
+        """The busy-key index of the hash slot that holds the key of hash tag ``tag``."""
+        return self._slot_index_key(redis.crc.key_slot(self._ns_colon + tag + b":"))
+
+    def _slot_index_key(self, slot: int) -> bytes:
+        return self._ns_colon + b"{" + slot_tags()[slot] + b"}:busy"
+
+    def _busy_tags(self) -> list[bytes]:
+        """The hash tags the busy-key index of every slot lists: one pipeline per primary."""
+        self._check_server_once()
+        cluster = cast("ClusterClient", self._client)
+        # A namespace holding a hash tag of its own puts all its keys (and indexes) in one slot.
+        index_keys = sorted({self._slot_index_key(slot) for slot in range(_SLOTS)})
+        by_node: dict[str, tuple[Any, list[bytes]]] = {}
+        tags: set[bytes] = set()
+        try:
+            for key in index_keys:
+                node = cluster.nodes_manager.get_node_from_slot(redis.crc.key_slot(key))
+                by_node.setdefault(node.name, (node, []))[1].append(key)
+            for node, keys in by_node.values():
+                pipe = cluster.get_redis_connection(node).pipeline(transaction=False)
+                for key in keys:
+                    pipe.smembers(key)
+                for key, members in zip(keys, pipe.execute(raise_on_error=False), strict=True):
+                    if isinstance(members, Exception):  # MOVED/ASK: the slot is moving
+                        members = cluster.smembers(key)
+                    tags.update(cast(set[bytes], members))
+        except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException) as error:
+            if not isinstance(error, redis.exceptions.RedisError):
+                error = redis.exceptions.ConnectionError(f"{type(error).__name__}: {error}")
+            self._fail(error)
+        return sorted(tags)
+
     def _servers(self) -> list[redis.Redis]:
-        cluster = cast(_ClusterClient, self._client)
+        cluster = cast("ClusterClient", self._client)
         return [cluster.get_redis_connection(node) for node in cluster.get_primaries()]  # type: ignore[no-untyped-call]
 
     def _thread_client(self) -> redis.Redis:
@@ -207,4 +220,4 @@ class RedisClusterStore(RedisStore):
         )
 
 
-__all__ = ["CLUSTER_SCHEMES", "RedisClusterStore", "cluster_seeds"]
+__all__ = ["RedisClusterStore", "cluster_seeds", "slot_tags"]

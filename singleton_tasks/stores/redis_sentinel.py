@@ -13,9 +13,12 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-import redis
-import redis.connection
-import redis.sentinel
+try:  # the driver, when installed (Store.check_drivers names the extra otherwise)
+    import redis
+    import redis.connection
+    import redis.sentinel
+except ImportError:  # pragma: no cover - the core-only install (tests/test_extras.py)
+    pass
 
 from ..errors import SingletonConfigError
 from .base import redact_url
@@ -82,6 +85,10 @@ class RedisSentinelStore(RedisStore):
     """
 
     schemes = ("redis+sentinel", "rediss+sentinel")
+
+    @staticmethod
+    def _node_url(url: str) -> str:
+        return parse_sentinel_url(url).node_url
 
     def __init__(self, url: str, *, sentinel_kwargs: dict[str, Any] | None = None, **options: Any) -> None:
         self.address = parse_sentinel_url(url)

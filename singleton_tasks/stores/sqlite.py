@@ -43,6 +43,12 @@ class SQLiteStore(SQLStore):
     """The gate's rules over a SQLite database file."""
 
     schemes = ("sqlite",)
+
+    @classmethod
+    def check_url(cls, url: str) -> None:
+        super().check_url(url)
+        sqlite_path(url)
+
     dialect = SQLITE
 
     def __init__(

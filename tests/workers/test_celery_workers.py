@@ -106,7 +106,9 @@ class Workers:
                 proc.wait(5)
         with contextlib.suppress(Exception), self.app.connection() as conn:
             conn.default_channel.queue_delete(self.config.queue)
-        self.log.delete(*self.log.keys(self.config.log_key + "*"))
+        leftovers = self.log.keys(self.config.log_key + "*")
+        if leftovers:  # DEL with no key is an error
+            self.log.delete(*leftovers)
         with contextlib.suppress(Exception):
             from singleton_tasks.celery import gatekeeper_for
 

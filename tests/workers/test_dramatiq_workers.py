@@ -88,7 +88,9 @@ class App:
                 proc.kill()
                 proc.wait(5)
         self.broker.flush_all()
-        self.log.delete(*self.log.keys(self.config.log_key + "*"))
+        leftovers = self.log.keys(self.config.log_key + "*")
+        if leftovers:  # DEL with no key is an error
+            self.log.delete(*leftovers)
         self.broker.close()
 
     def runs(self, key: str | None = None) -> list[dict[str, Any]]:

@@ -15,10 +15,16 @@
 --   P..'overdue'           zset   waiters that can be passed over, scored by passed_over_at
 --   P..'run:'..run_id      hash   one run: the fields of gate.RunRecord (see load_run)
 --   P..'settled:'..run_id  string '<generation> <expires_at>' of a settled run, expiring with it
+-- and, outside P, the namespace's index of busy keys (a key is busy while it has holders or
+-- waiters: its holders or waiters zset exists):
+--   I                      set    the hash tags ('{<sha1 hex>}') of the busy keys; redis.py names
+--                                 it (RedisStore._index_key): one per namespace on one server,
+--                                 one per hash slot on Redis Cluster (in the slot of the keys it
+--                                 lists, so a script updates it atomically with their state)
 --
 -- Per-key scripts share one KEYS layout (use_key):
 --   KEYS[1] P..'meta'  KEYS[2] P..'waiters'  KEYS[3] P..'holders'  KEYS[4] P..'overdue'
---   KEYS[5] P..'run:'..ARGV[3]  KEYS[6] P..'settled:'..ARGV[3]
+--   KEYS[5] P..'run:'..ARGV[3]  KEYS[6] P..'settled:'..ARGV[3]  KEYS[7] I
 -- and one ARGV start:
 --   ARGV[1] scope  ARGV[2] key  ARGV[3] run id
 --   ARGV[4] the time to decide at, '' for the server's clock (TIME; only tests pass a time)
@@ -90,6 +96,7 @@ local EVICTED, REMOVED = {}, {}
 local function use_key(keys, argv)
   K.meta, K.waiters, K.holders, K.overdue = keys[1], keys[2], keys[3], keys[4]
   K.prefix = string.sub(keys[1], 1, -5) -- keys[1] is P..'meta'
+  K.index, K.tag = keys[7], string.sub(keys[1], -47, -6) -- P ends with '{<40 hex>}:'
   K.scope, K.key = argv[1], argv[2]
   K.now = opt_number(argv[4]) or server_time()
   K.grace, K.retention = tonumber(argv[5]), tonumber(argv[6])
@@ -547,12 +554,19 @@ local function take_place(run, payload)
 end
 
 -- Save the counters; an empty key is forgotten after `retention` (the zsets vanish when empty).
+-- Every script that adds or removes a run ends here (confirm, suspend and heartbeat only change
+-- runs already in line; park may remove a phantom, but its own pending run stays), so the busy
+-- index is kept exact here: the key is in it exactly while it has runs (SADD/SREM are
+-- idempotent; an empty index set vanishes with its last member). A new script that adds or
+-- removes runs must end with finish too.
 local function finish(meta)
   if zcard(K.holders) == 0 and zcard(K.waiters) == 0 then
     meta.seq = 0
     meta.idle_until = K.now + K.retention
+    redis.call('SREM', K.index, K.tag)
   else
     meta.idle_until = nil
+    redis.call('SADD', K.index, K.tag)
   end
   save_meta(meta)
 end

@@ -75,3 +75,4 @@ CREATE INDEX IF NOT EXISTS singleton_keys_idle ON singleton_keys (namespace, idl
 
 INSERT INTO singleton_schema_version (version) VALUES (1) ON CONFLICT DO NOTHING;
 INSERT INTO singleton_schema_version (version) VALUES (2) ON CONFLICT DO NOTHING;
+INSERT INTO singleton_schema_version (version) VALUES (3) ON CONFLICT DO NOTHING;

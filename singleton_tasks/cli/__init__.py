@@ -35,11 +35,11 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
-from .errors import SingletonError
-from .outcomes import HolderView, KeySnapshot, ReleaseOutcome, RunState, WaiterView
-from .runtime import STORE_ENV
-from .stores import SCHEMA_VERSION, Store, check_store_url, redact_url, store_from_url
-from .stores.base import check_namespace
+from ..errors import SingletonError
+from ..outcomes import HolderView, KeySnapshot, ReleaseOutcome, RunState, WaiterView
+from ..runtime import STORE_ENV
+from ..stores import SCHEMA_VERSION, Store, check_store_url, redact_url, store_from_url
+from ..stores.base import check_namespace
 
 logger = logging.getLogger("singleton_tasks")
 
@@ -57,7 +57,7 @@ store's clock, durations are seconds; the store's password is redacted):
   "format": 1,
   "store": "redis://user:***@host:6379/0",     # redacted
   "namespace": "default",
-  "schema_version": 1,                           # null: the store was never migrated
+  "schema_version": 3,                           # null: the store was never migrated
   "now": 1767225600.0,
   "totals": {"keys": 1, "holders": 1, "waiters": 2},
   "keys": [                                      # sorted by scope, key
@@ -91,7 +91,7 @@ class StoreProblem(click.ClickException):
 
 
 def _default_store_url() -> str:
-    from .runtime import default_store_url
+    from ..runtime import default_store_url
 
     return default_store_url()
 
@@ -157,7 +157,7 @@ def _sqlite_file_missing(url: str) -> bool:
             return False
     except SingletonError:
         return False  # store_from_url reports it
-    from .stores.sqlite import sqlite_path
+    from ..stores.sqlite import sqlite_path
 
     path = sqlite_path(url)
     return path != ":memory:" and not os.path.exists(path)
@@ -533,7 +533,7 @@ def _publish_wakes(broker: Any, broker_url: str | None, outcome: ReleaseOutcome)
     published: set[str] = set()
     if broker is None or broker_url is None:
         return published
-    from .dramatiq import wake_message
+    from ..dramatiq import wake_message
 
     try:
         for wake in outcome.wakes:
@@ -746,7 +746,3 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Console-script entry point."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     cli.main(args=list(argv) if argv is not None else None, prog_name="singleton-tasks")
-
-
-if __name__ == "__main__":
-    main()

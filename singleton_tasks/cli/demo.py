@@ -24,8 +24,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from . import current_admission
-from .errors import SingletonQueueFullError
+from .. import current_admission
+from ..errors import SingletonQueueFullError
 
 BODY_SECONDS = 0.5
 LANE_WIDTH = 48
@@ -113,7 +113,7 @@ def _on_dramatiq(
     import dramatiq
     from dramatiq.brokers.stub import StubBroker
 
-    from .dramatiq import SingletonMiddleware
+    from ..dramatiq import SingletonMiddleware
 
     broker = StubBroker()
     broker.add_middleware(SingletonMiddleware(store=store_url, retry_delay=1.0, retry_jitter=0.1))
@@ -146,7 +146,7 @@ def _on_celery(store_url: str, body: Callable[[str, str], None]) -> Iterator[tup
     from celery import Celery
     from celery.contrib.testing.worker import start_worker
 
-    from .celery import SingletonTask, install
+    from ..celery import SingletonTask, install
 
     app = Celery("demo", broker="memory://", backend="cache+memory://", set_as_current=False)
     app.conf.broker_transport_options = {"polling_interval": 0.01}

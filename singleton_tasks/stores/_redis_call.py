@@ -1,0 +1,103 @@
+"""The Redis stores' one hand-written path: a script call written straight to a pinned connection.
+
+Every store operation is one ``FCALL`` (or ``EVALSHA``) on the calling thread's pinned
+connection. It is written here rather than through redis-py's ``fcall``/``evalsha`` for two
+things redis-py's path does not do, and a third it does more slowly:
+
+1. **WAIT in the same write.** With ``wait_replicas``, ``WAIT numreplicas timeout`` goes right
+   behind the call, in the same write on the same connection (WAIT counts that connection's
+   writes): still one round trip. redis-py's pipeline takes another connection from the pool
+   and rewrites the call's error message (the store reads a missing function or a server
+   without functions from it).
+2. **Reconnecting where the connection says.** A dropped connection is connected again by its
+   own ``connect()``: a Sentinel-managed connection asks the sentinels for the current primary
+   there, while ``send_packed_command``'s own reconnect (``connect_check_health``) goes back to
+   the host it knew, the old primary after a failover. On redis-py's path the Sentinel failover
+   test (tests/workers/test_sentinel.py) fails.
+3. **Client CPU.** redis-py's general path (command parsing, observability hooks, a lock,
+   per-argument packing) costs more CPU per call; a worker of many threads is bound by that CPU
+   under the GIL. Measured with benchmark case 1's subject (2,000 no-op runs, distinct keys,
+   RedisBroker, one worker of 8 threads), 6 alternating rounds on a 2-core host shared with
+   other test runs: worker CPU median 422 µs/run (301-549) on this path, 472 (344-611) on
+   redis-py's ``fcall``; 1,626 vs 1,462 runs/s. Inside that host's spread: on its own, no reason
+   to keep the path.
+
+redis-py internals used here, checked on redis-py 8.2.0 (``tests/test_framework_internals.py``
+fails when an upgrade changes one): ``Connection.send_packed_command(packed, check_health=)``,
+``Connection.read_response()``, ``Connection.retry.call_with_retry(call, failed)``,
+``Connection.disconnect()``, ``Connection.connect()`` and the attribute ``Connection._sock``
+(None while disconnected). The reply and its errors (``NoScriptError``, ...) are redis-py's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+import redis.exceptions
+
+
+def _resp_command(parts: Sequence[bytes]) -> bytes:
+    """One command in RESP: an array of bulk strings."""
+    out = [b"*%d\r\n" % len(parts)]
+    for part in parts:
+        out.append(b"$%d\r\n%s\r\n" % (len(part), part))
+    return b"".join(out)
+
+
+def call_script(
+    client: redis.Redis,
+    command: bytes,
+    name: bytes,
+    numkeys: int,
+    keys_and_args: Sequence[bytes | str],
+    wait: Sequence[bytes] | None = None,
+) -> Any:
+    """``EVALSHA sha`` or ``FCALL function`` on the client's own connection, with its retry policy.
+
+    A ``str`` argument is sent as UTF-8 with surrogates passed (any Python str round-trips).
+    With ``wait`` the reply is ``(the call's reply, replicas that acknowledged)``. A client
+    without a connection of its own (a cluster client's routed path) takes redis-py's path.
+    """
+    conn = client.connection
+    if conn is None:  # not a single-connection client: take the general path
+        call_general = client.fcall if command == b"FCALL" else client.evalsha
+        reply = call_general(name.decode(), numkeys, *keys_and_args)
+        return reply if wait is None else (reply, client.execute_command("WAIT", *wait))  # type: ignore[no-untyped-call]
+    packed = [
+        _resp_command(
+            [
+                command,
+                name,
+                b"%d" % numkeys,
+                *(
+                    part if isinstance(part, bytes) else part.encode("utf-8", "surrogatepass")
+                    for part in keys_and_args
+                ),
+            ]
+        )
+    ]
+    if wait is not None:
+        packed.append(_resp_command([b"WAIT", *wait]))
+
+    def call() -> Any:
+        if getattr(conn, "_sock", None) is None:
+            conn.connect()  # type: ignore[no-untyped-call]  # reason 2 above
+        conn.send_packed_command(packed, check_health=False)  # type: ignore[no-untyped-call]
+        if wait is None:
+            return conn.read_response()
+        try:
+            reply = conn.read_response()
+        except redis.exceptions.ResponseError:
+            conn.read_response()  # WAIT's reply: the connection stays in step
+            raise
+        return reply, conn.read_response()
+
+    def failed(_error: Exception) -> None:
+        conn.disconnect()  # type: ignore[no-untyped-call]
+
+    return conn.retry.call_with_retry(call, failed)
+
+
+__all__ = ["call_script"]
