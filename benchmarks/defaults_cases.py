@@ -92,7 +92,11 @@ class Quickstart:
 
 @contextlib.contextmanager
 def quickstart(
-    kind: str, singleton: bool, broker_url: str | None = None, store_url: str = STORE_REDIS_URL
+    kind: str,
+    singleton: bool,
+    broker_url: str | None = None,
+    store_url: str = STORE_REDIS_URL,
+    wake_fetch: bool = True,
 ) -> Iterator[Quickstart]:
     """Start ``dramatiq benchmarks.quickstart_app --processes 1 --threads 8`` and wait until it is ready."""
     workdir = Path(tempfile.mkdtemp(prefix="bench-quickstart-"))
@@ -103,6 +107,7 @@ def quickstart(
         namespace=unique("qs"),
         queue=unique("qs").replace("-", "_"),
         spans=str(workdir / "spans"),
+        wake_fetch="on" if wake_fetch else "off",
     )
     broker, actor = build(config)
     log = workdir / "worker.log"
@@ -170,19 +175,34 @@ def case_burst_defaults(report: Report, size: Size, runs: int, kinds: list[str])
     ideal = n * body
     for kind in kinds:
         orders = BurstOrders()
+        without = BurstOrders()
 
-        def once(kind: str = kind, orders: BurstOrders = orders) -> float:
-            with quickstart(kind, singleton=True) as run:
+        def once(
+            fetch: bool, kind: str = kind, orders: BurstOrders = orders, without: BurstOrders = without
+        ) -> float:
+            with quickstart(kind, singleton=True, wake_fetch=fetch) as run:
                 run.warm_up()
                 for i in range(n):
                     run.actor.send(i, body)
                 spans = run.wait_spans(n, 120)
-            orders.record("running", spans)
+            (orders if fetch else without).record("running", spans)
             return max(s.end for s in spans) - spans[0].start
 
-        results = alternate(runs, [("running", once)])
+        results = alternate(runs, [("off", lambda: once(False)), ("running", lambda: once(True))])
         case = f"2d burst {n}×{body * 1000:.0f} ms, one key, {BROKERS[kind]}, `{COMMAND}` (defaults)"
         report.add(Row(case, "ideal", "s", [ideal], key=f"burstd.{kind}.ideal", note="n × body"))
+        report.add(
+            Row(
+                case,
+                "without the wake fetch (the consumer's poll alone)",
+                "s",
+                results["off"],
+                baseline="ideal",
+                higher_is_better=False,
+                key=f"burstd.{kind}.nofetch",
+                note=without.note("running"),
+            )
+        )
         add_burst_rows(
             report,
             case=case,

@@ -29,13 +29,21 @@ class QuickstartConfig:
     namespace: str
     queue: str
     spans: str  # the file the bodies append "index start end" lines to (perf_counter seconds)
+    wake_fetch: str = "on"  # "off": the measured alternative, wakes left to the consumer's poll
 
     def env(self) -> dict[str, str]:
         return {f"BENCH_QS_{name.upper()}": str(value) for name, value in self.__dict__.items()}
 
     @classmethod
     def from_env(cls) -> QuickstartConfig:
-        return cls(**{name: os.environ[f"BENCH_QS_{name.upper()}"] for name in cls.__annotations__})
+        return cls(
+            **{
+                name: os.environ[f"BENCH_QS_{name.upper()}"]
+                for name in cls.__annotations__
+                if name != "wake_fetch"
+            },
+            wake_fetch=os.environ.get("BENCH_QS_WAKE_FETCH", "on"),
+        )
 
     @property
     def release_file(self) -> str:
@@ -56,6 +64,11 @@ def build(config: QuickstartConfig) -> tuple[dramatiq.Broker, dramatiq.Actor[Any
         broker = RabbitmqBroker(url=config.broker_url)
     if config.store:
         broker.add_middleware(SingletonMiddleware(store=config.store, namespace=config.namespace))
+    if config.wake_fetch == "off":
+        import singleton_tasks.dramatiq
+
+        # The benchmark's baseline only: a release publishes its wakes and fetches nothing.
+        singleton_tasks.dramatiq.fetch_for_this_worker = lambda queue: 0  # type: ignore[attr-defined]
 
     def body(index: int, seconds: float, hold: bool = False) -> None:
         start = time.perf_counter()
