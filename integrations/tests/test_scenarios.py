@@ -452,7 +452,8 @@ def test_skewed_clocks_share_keys_safely(
             # One at a time, tokens rising in start order. A run may run again after it settled: on
             # Dramatiq's RedisBroker another worker's maintenance takes a skewed worker's heartbeat
             # for a dead worker's and requeues its unacked messages; the admitted copy coming back
-            # after settlement is a new claim (docs/concepts.md#the-life-of-a-run) — never alongside another body.
+            # after settlement is a new claim (docs/concepts.md#the-life-of-a-run) — never
+            # alongside another body.
             for before, after in itertools.pairwise(bodies):
                 assert before.end is not None and after.start >= before.end, f"key {key}: overlap"
                 assert before.token is not None and after.token is not None and after.token > before.token
@@ -537,7 +538,8 @@ def test_purged_waiters_free_their_key_and_cap(
         max_retry_delay=max_retry_delay,
         threads=4,
     )
-    bound = orphan_timeout + max_retry_delay + 0.1  # docs/concepts.md#passed-over-waiters: unseen this long, a waiter is passed over
+    # Unseen this long, a waiter is passed over (docs/concepts.md#passed-over-waiters).
+    bound = orphan_timeout + max_retry_delay + 0.1
     limit, depth = SINGLETON_TASKS["capped"]
     assert depth is not None
     (worker,) = h.workers.start(1)
