@@ -343,10 +343,11 @@ def _wakes(
     for run in _slot_owners(tx, free, now):
         if run.state is RunState.GATED and run.run_id != skip:
             run.generation = _next(run.generation, now)
-            # A payload-less wake cannot be published, so every copy in flight stays live: the
-            # deferred one may never have been published, leaving only the first to run it.
-            kept = run.live if run.payload is None else run.live[-1:]
-            run.live = [*kept, run.generation]
+            # Every copy in flight stays live beside the wake: the last deferred one may never
+            # have been published (its claim's answer was lost, or its publish failed and the
+            # delivery was re-published as it was), and a payload-less wake is not published
+            # at all. Admission leaves one live copy, so the run still runs once.
+            run.live = [*run.live, run.generation]
             run.state = RunState.WOKEN
             tx.save_run(run)
             wakes.append(Wake(scope, key, run.run_id, run.generation, run.payload))

@@ -480,6 +480,29 @@ class _HandoffRules(_Contract):
         again = admitted(store, w, winner, T0 + 9)
         assert again > w_token
 
+    def test_a_wake_keeps_every_copy_in_flight_live(self, make_store: StoreFactory) -> None:
+        # A gated claim names the generation of the copy that re-checks the run, but the worker
+        # never learns it (the store applied the claim, then the answer was lost: a WAIT that
+        # timed out, a dropped connection), so it re-publishes the delivery it has, with that
+        # delivery's own generation. The release that wakes the run loses its answer too (no
+        # wake published). The copy actually in flight must still run the run: were it dropped
+        # as stale, nothing would ever run it and the key would wait until it is passed over.
+        store = make_store()
+        h, w = spec("h"), spec("w")
+        registered(store, h, T0)
+        registered(store, w, T0 + 1)
+        token = admitted(store, h, 0, T0 + 2)
+        in_flight = gated(store, w, 0, T0 + 3, b"w", position=1).generation
+        assert in_flight is not None
+        never_published = gated(store, w, in_flight, T0 + 4, b"w", position=1).generation
+        assert never_published is not None
+        wake = the_wake(at(store, T0 + 5).release(SCOPE, KEY, "h", token=token).wakes, "w")
+        admitted(store, w, in_flight, T0 + 6)
+        # Admission leaves one live copy: every other one is dropped, the run runs once.
+        for generation in (never_published, wake.generation, 0):
+            stale(store, w, generation, T0 + 7)
+        assert holders(store, T0 + 7) == ["w"]
+
     @pytest.mark.parametrize("first", ["woken", "held back"])
     def test_a_parked_registration_is_woken_and_runs_once(self, make_store: StoreFactory, first: str) -> None:
         # A run published held back (delayed at enqueue, never delivered) waits gated with its
@@ -536,7 +559,6 @@ class _HandoffRules(_Contract):
         wake = the_wake(at(store, T0 + 5).release(SCOPE, KEY, "h", token=token).wakes, "w")
         assert wake.payload == b"delivered"
         assert deferred is not None
-        stale(store, w, 0, T0 + 6)
         assert waiters(store, T0 + 6) == ["w"]
         # A failed publish is undone before any park: the park then finds nothing to park.
         x = spec("x")
@@ -645,16 +667,18 @@ class _DeliveryRules(_Contract):
         assert at(store, T0 + 7).release(SCOPE, KEY, "w", token=w_token).released
         assert at(store, T0 + 7).snapshot() == []
 
-    def test_a_woken_waiter_with_payload_drops_its_older_copies(self, make_store: StoreFactory) -> None:
-        # With a payload the wake publishes the run itself, so copies older than its deferral die.
+    def test_a_woken_waiter_runs_from_whichever_live_copy_comes_first(self, make_store: StoreFactory) -> None:
+        # A broker redelivers the first copy (its worker died after publishing the deferral):
+        # it is still live after the wake, and whichever copy comes first runs the run, once.
         store = make_store()
         h, w = spec("h"), spec("w")
         token = admitted(store, h, 0, T0)
         deferred = gated(store, w, 0, T0 + 1, b"w", position=1).generation
         assert deferred is not None
         wake = the_wake(at(store, T0 + 2).release(SCOPE, KEY, "h", token=token).wakes, "w")
-        stale(store, w, 0, T0 + 3)
-        admitted(store, w, wake.generation, T0 + 4)
+        admitted(store, w, 0, T0 + 3)
+        for generation in (deferred, wake.generation):
+            stale(store, w, generation, T0 + 4)
 
     def test_suspended_holder_is_readmitted_on_its_own_slot(self, make_store: StoreFactory) -> None:
         store = make_store()

@@ -188,10 +188,7 @@ class Model:
         for run in self.owners(k, now):
             if run.state is RunState.GATED and run.run_id != skip:
                 run.generation = counter_after(run.generation, now)
-                if run.payload is not None and run.live:
-                    run.live = [run.live[-1], run.generation]
-                else:  # nothing can publish this wake: every earlier copy stays live
-                    run.live = [*run.live, run.generation]
+                run.live = [*run.live, run.generation]  # every copy in flight stays live too
                 run.state = RunState.WOKEN
                 out.append(Wake(self.scope, key, run.run_id, run.generation, run.payload))
         return out

@@ -35,6 +35,7 @@ class AppConfig:
     log_key: str
     retry_delay: float = 0.3
     lease: float = 60.0
+    orphan_timeout: float = 600.0
 
     def env(self) -> dict[str, str]:
         return {f"SINGLETON_APP_{name.upper()}": str(value) for name, value in self.__dict__.items()}
@@ -46,6 +47,7 @@ class AppConfig:
         }
         values["retry_delay"] = float(values["retry_delay"])
         values["lease"] = float(values["lease"])
+        values["orphan_timeout"] = float(values["orphan_timeout"])
         return cls(**values)
 
 
@@ -88,6 +90,7 @@ def build(config: AppConfig) -> tuple[dramatiq.Broker, dict[str, dramatiq.Actor[
             retry_delay=config.retry_delay,
             retry_jitter=0.0,
             lease=config.lease,
+            orphan_timeout=config.orphan_timeout,
         )
     )
     broker.add_middleware(Results(backend=RedisBackend(client=log, namespace=config.log_key)))

@@ -528,11 +528,8 @@ local function wakes(meta, now, skip)
     if owner[2] == 'gated' and owner[1] ~= skip then
       local run = load_run(owner[1])
       run.generation = next_counter(run.generation, now)
-      -- A payload-less wake cannot be published: every copy in flight stays live (gate.py).
+      -- Every copy in flight stays live beside the wake (gate._wakes).
       local live = run.live
-      if run_payload(run) and #live > 0 then
-        live = { live[#live] }
-      end
       live[#live + 1] = run.generation
       run.live = live
       run.state = 'woken'
