@@ -323,11 +323,9 @@ class SingletonTask(Task):  # type: ignore[misc]
             _undo_registration(gatekeeper, spec, self.name)
             raise
         if payload is None:
-            try:
-                gatekeeper.confirm(spec)
-            except StoreUnavailableError as error:
-                # Published all the same: its delivery confirms it (it takes its place in line).
-                logger.warning("%s run %s published, not confirmed (%s)", self.name, run_id, error)
+            # Batched off this thread; a store outage leaves it unconfirmed, and its delivery
+            # confirms it (it takes its place in line).
+            gatekeeper.confirm_later(spec)
             return result
         try:
             _publish_wakes(self._get_app(), gatekeeper.park(self.name, spec, payload))

@@ -662,10 +662,12 @@ class RedisStore(Store):
 
     def _key_op(self, name: str, scope: str, key: str, run_id: str, *args: bytes) -> Any:
         """A per-key script: lib.lua's KEYS and ARGV layout, then ``args``."""
+        return self._eval(name, 6, *self._key_args(scope, key, run_id, *args))
+
+    def _key_args(self, scope: str, key: str, run_id: str, *args: bytes) -> tuple[bytes, ...]:
+        """The six keys and the arguments of a per-key script (lib.lua's layout), then ``args``."""
         prefix, run = self._ns_colon + _hash_tag(scope, key) + b":", _text(run_id)
-        return self._eval(
-            name,
-            6,
+        return (
             prefix + b"meta",
             prefix + b"waiters",
             prefix + b"holders",
@@ -702,6 +704,52 @@ class RedisStore(Store):
 
     def confirm(self, scope: str, key: str, run_id: str) -> bool:
         return bool(self._key_op("confirm", scope, key, run_id))
+
+    def confirm_many(self, runs: Sequence[tuple[str, str, str]]) -> list[bool]:
+        """Every confirm in one write on this thread's connection, the replies read in order: one
+        round trip for the batch (with ``wait_replicas``, one WAIT behind the last).
+
+        A reply that is an error (a server that lost the library or the script, or has no
+        functions for us) sends the batch again one call at a time by :meth:`confirm`, which
+        loads what is missing: a confirm made twice changes nothing.
+        """
+        client = self._thread_client()
+        conn = getattr(client, "connection", None)
+        if len(runs) < 2 or conn is None:  # a cluster client: scripts go to each key's node
+            return super().confirm_many(runs)
+        if self._functions:
+            head = [b"FCALL", self._function_names["confirm"], b"6"]
+        else:
+            head = [b"EVALSHA", self._scripts["confirm"].sha.encode(), b"6"]
+        packed = [_resp_command([*head, *self._key_args(scope, key, run_id)]) for scope, key, run_id in runs]
+        if self._wait is not None:
+            packed.append(_resp_command([b"WAIT", *self._wait]))
+
+        def call() -> list[Any]:
+            if getattr(conn, "_sock", None) is None:
+                conn.connect()
+            conn.send_packed_command(packed, check_health=False)
+            replies: list[Any] = []
+            for _ in packed:  # every reply is read, errors too: the connection stays in step
+                try:
+                    replies.append(conn.read_response())
+                except redis.exceptions.ResponseError as error:
+                    replies.append(error)
+            return replies
+
+        def failed(_error: Exception) -> None:
+            conn.disconnect()
+
+        try:
+            replies = conn.retry.call_with_retry(call, failed)
+        except redis.exceptions.RedisError as error:
+            self._fail(error)
+        acknowledged = replies.pop() if self._wait is not None else None
+        if any(isinstance(reply, Exception) for reply in replies):
+            return super().confirm_many(runs)
+        if acknowledged is not None:
+            self._check_acknowledged(int(acknowledged))
+        return [bool(reply) for reply in replies]
 
     def unregister(self, scope: str, key: str, run_id: str) -> bool:
         return bool(self._key_op("unregister", scope, key, run_id))
