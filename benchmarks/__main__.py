@@ -14,7 +14,7 @@ from .common import SIZES, THREADS, Report, Size, quiet_framework_logs, render
 
 CASES = (
     "noop", "burst", "handoff", "roundtrips", "admission", "postgres", "backline", "celery",
-    "growth", "cluster", "replicas",
+    "growth", "cluster", "replicas", "send",
 )
 
 
@@ -57,7 +57,9 @@ def _versions() -> str:
     show_default=True,
     help="Runs per variant for side-by-side cases (baseline and subject alternate).",
 )
-@click.option("--brokers", default="redis,rabbitmq", show_default=True, help="Brokers for cases 2, 3 and 8.")
+@click.option(
+    "--brokers", default="redis,rabbitmq", show_default=True, help="Brokers for cases 2, 3, 8 and 12."
+)
 @click.option(
     "--worker-timeouts",
     default="1000,10,2",
@@ -129,6 +131,7 @@ def main(
         "growth": lambda: _growth(report, spec, growth_stores),
         "cluster": lambda: _cluster(report, spec, slow_runs, cluster_url, timeouts[-1]),
         "replicas": lambda: dq.case_replicas(report, spec, slow_runs),
+        "send": lambda: dq.case_send(report, spec, runs, kinds),
     }
     started = time.perf_counter()
     for name in CASES:

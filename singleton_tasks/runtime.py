@@ -18,6 +18,7 @@ import tempfile
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -91,6 +92,8 @@ CONFIRM_LINGER = 0.005
 CONFIRM_BATCH = 512
 #: At close and at interpreter exit, pending confirms get this long (seconds) to be sent.
 CONFIRM_FLUSH_TIMEOUT = 5.0
+#: Every confirm thread of this process (flush_all_confirms).
+_CONFIRMERS: weakref.WeakSet[_Confirmer] = weakref.WeakSet()
 
 
 def check_store_argument(store: object) -> None:
@@ -651,6 +654,16 @@ class _Heartbeater:
             logger.error("%s: given up at shutdown; freed when its lease and orphan timeout lapse", what)
 
 
+def flush_all_confirms(timeout: float = CONFIRM_FLUSH_TIMEOUT) -> bool:
+    """Send every confirm this process's gatekeepers still hold; False if ``timeout`` passed first.
+
+    For a producer that closes a store object it passed to an adapter itself: the confirm
+    thread must not use a store that is being closed (adapters flush when they close).
+    """
+    deadline = time.monotonic() + timeout
+    return all(confirmer.flush(max(0.0, deadline - time.monotonic())) for confirmer in list(_CONFIRMERS))
+
+
 #: A run to confirm, ``(scope, key, run_id)``, and when (monotonic) its confirm was handed over.
 _Pending = tuple[tuple[str, str, str], float]
 
@@ -674,6 +687,7 @@ class _Confirmer:
         self._busy = False  # a batch is being sent
         self._stopped = False
         self._thread: threading.Thread | None = None
+        _CONFIRMERS.add(self)
 
     def add(self, run: tuple[str, str, str]) -> None:
         with self._lock:

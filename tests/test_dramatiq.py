@@ -6,6 +6,7 @@ import contextlib
 import importlib
 import logging
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -33,6 +34,7 @@ from singleton_tasks import (
     StoreUnavailableError,
     current_admission,
     singleton,
+    store_from_url,
 )
 from singleton_tasks.dramatiq import GENERATION, QueueFull, SingletonMiddleware
 from singleton_tasks.gate import Timings
@@ -697,6 +699,37 @@ def test_send_makes_one_store_call_and_confirms_off_the_callers_thread(make_env:
     assert {thread for thread, _ in batches} == {"singleton-confirm"}
     assert sum(runs for _, runs in batches) == 20
     assert all(w.confirmed for snap in env.keys() for w in snap.waiters)
+
+
+_SEND_AND_EXIT = """
+import sys
+import dramatiq
+from dramatiq.brokers.stub import StubBroker
+from singleton_tasks.dramatiq import SingletonMiddleware
+
+broker = StubBroker(middleware=[SingletonMiddleware(sys.argv[1], namespace=sys.argv[2])])
+
+@dramatiq.actor(broker=broker, singleton={"key": "{key}"})
+def job(key):
+    pass
+
+job.send("K")
+"""
+
+
+def test_a_producer_that_exits_right_after_send_confirms_first(tmp_path: Any) -> None:
+    """The confirm thread's batch is sent at interpreter exit, not dropped with the thread."""
+    url, namespace = f"sqlite:///{tmp_path / 'store.db'}", f"n{uuid.uuid4().hex[:8]}"
+    done = subprocess.run(
+        [sys.executable, "-c", _SEND_AND_EXIT, url, namespace], capture_output=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    store = store_from_url(url, namespace=namespace)
+    try:
+        [snap] = store.snapshot()
+        assert [w.confirmed for w in snap.waiters] == [True]
+    finally:
+        store.close()
 
 
 class _PublishFails(dramatiq.Middleware):
