@@ -691,19 +691,25 @@ class _Confirmer:
 
     def add(self, run: tuple[str, str, str]) -> None:
         with self._lock:
-            if self._stopped:
-                stopped = True
-            else:
-                stopped = False
+            inline = self._stopped or not self._started()
+            if not inline:
                 self._pending.append((run, time.monotonic()))
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._loop, name="singleton-confirm", daemon=True)
-                    self._thread.start()
-                    atexit.register(self.flush, CONFIRM_FLUSH_TIMEOUT)
-                elif len(self._pending) == 1 and not self._busy:
+                if len(self._pending) == 1 and not self._busy:
                     self._changed.notify_all()
-        if stopped:  # closed: confirm on the caller's thread
+        if inline:  # closed, or no thread can start (interpreter exit): on the caller's thread
             self._send([(run, time.monotonic())])
+
+    def _started(self) -> bool:
+        """Start the thread if it is not running yet (called with the lock held)."""
+        if self._thread is None:
+            thread = threading.Thread(target=self._loop, name="singleton-confirm", daemon=True)
+            try:
+                thread.start()
+            except RuntimeError:  # "can't create new thread at interpreter shutdown"
+                return False
+            self._thread = thread
+            atexit.register(self.flush, CONFIRM_FLUSH_TIMEOUT)
+        return True
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until nothing is pending or being sent; False if ``timeout`` passed first."""
