@@ -664,6 +664,9 @@ def flush_all_confirms(timeout: float = CONFIRM_FLUSH_TIMEOUT) -> bool:
     return all(confirmer.flush(max(0.0, deadline - time.monotonic())) for confirmer in list(_CONFIRMERS))
 
 
+atexit.register(flush_all_confirms)  # before the daemon confirm threads stop with the interpreter
+
+
 #: A run to confirm, ``(scope, key, run_id)``, and when (monotonic) its confirm was handed over.
 _Pending = tuple[tuple[str, str, str], float]
 
@@ -708,7 +711,6 @@ class _Confirmer:
             except RuntimeError:  # "can't create new thread at interpreter shutdown"
                 return False
             self._thread = thread
-            atexit.register(self.flush, CONFIRM_FLUSH_TIMEOUT)
         return True
 
     def flush(self, timeout: float | None = None) -> bool:
