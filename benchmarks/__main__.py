@@ -14,7 +14,7 @@ from .common import SIZES, THREADS, Report, Size, quiet_framework_logs, render
 
 CASES = (
     "noop", "burst", "handoff", "roundtrips", "admission", "postgres", "backline", "celery",
-    "growth", "cluster", "replicas", "idle",
+    "growth", "cluster", "replicas", "idle", "send",
 )
 
 
@@ -57,7 +57,9 @@ def _versions() -> str:
     show_default=True,
     help="Runs per variant for side-by-side cases (baseline and subject alternate).",
 )
-@click.option("--brokers", default="redis,rabbitmq", show_default=True, help="Brokers for cases 2, 3 and 8.")
+@click.option(
+    "--brokers", default="redis,rabbitmq", show_default=True, help="Brokers for cases 2, 3, 8 and 13."
+)
 @click.option(
     "--worker-timeouts",
     default="1000,10,2",
@@ -132,6 +134,7 @@ def main(
         "cluster": lambda: _cluster(report, spec, slow_runs, cluster_url, timeouts[-1]),
         "replicas": lambda: dq.case_replicas(report, spec, slow_runs),
         "idle": lambda: _idle(report, spec, defaults_runs),
+        "send": lambda: dq.case_send(report, spec, runs, kinds),
     }
     started = time.perf_counter()
     for name in CASES:

@@ -9,6 +9,7 @@ times deferrals (what the broker needs) and metrics.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import os
@@ -17,6 +18,7 @@ import tempfile
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +35,7 @@ from .config import (
     check_lease,
 )
 from .errors import SingletonConfigError, SingletonQueueFullError, StoreUnavailableError
-from .gate import issued_before
+from .gate import DEFAULT_REGISTRATION_GRACE, issued_before
 from .outcomes import (
     ClaimOutcome,
     Decision,
@@ -84,6 +86,14 @@ def resolve_store_url(store: str | None) -> str:
 CLOCK_SKEW_WARNING = 1.0
 #: How often (seconds) a worker's background thread sweeps the store's expired state.
 SWEEP_INTERVAL = 300.0
+#: The confirm thread waits this long (seconds) after a publish for more to batch with it.
+CONFIRM_LINGER = 0.005
+#: At most this many confirms are sent in one round trip.
+CONFIRM_BATCH = 512
+#: At close and at interpreter exit, pending confirms get this long (seconds) to be sent.
+CONFIRM_FLUSH_TIMEOUT = 5.0
+#: Every confirm thread of this process (flush_all_confirms).
+_CONFIRMERS: weakref.WeakSet[_Confirmer] = weakref.WeakSet()
 
 
 def check_store_argument(store: object) -> None:
@@ -153,6 +163,7 @@ class Gatekeeper:
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._heartbeater: _Heartbeater | None = None
+        self._confirmer: _Confirmer | None = None
         self._spec_cache: dict[BoundSingleton, RunSpec] = {}
 
     # -- the store, one per process --------------------------------------------------------
@@ -161,6 +172,7 @@ class Gatekeeper:
             # Forked (prefork pool): the parent's threads did not come along, and its lock may have
             # been held at the fork. A store given as an instance is kept; a URL gets fresh clients.
             self._heartbeater, self._lock, self._pid = None, threading.Lock(), os.getpid()
+            self._confirmer = None  # the parent's thread confirms the parent's publishes
             if not isinstance(self._store_arg, Store):
                 self._store, self._ready = None, False
 
@@ -295,6 +307,30 @@ class Gatekeeper:
 
     def confirm(self, spec: RunSpec) -> None:
         self.store.confirm(spec.scope, spec.key, spec.run_id)
+
+    def confirm_later(self, spec: RunSpec) -> None:
+        """Confirm a published registration from this process's confirm thread, batched.
+
+        The caller's publish is done: its ``.send()`` does not wait for the confirm. Until the
+        confirm lands the registration is an unconfirmed one (passed over after the registration
+        grace if nothing confirms it), and a delivery that comes first confirms it itself
+        (docs/concepts.md#the-life-of-a-run).
+        """
+        self.confirms.add((spec.scope, spec.key, spec.run_id))
+
+    @property
+    def confirms(self) -> _Confirmer:
+        self._after_fork()  # a forked child confirms only its own publishes
+        if self._confirmer is None:
+            with self._lock:
+                if self._confirmer is None:
+                    self._confirmer = _Confirmer(self)
+        return self._confirmer
+
+    def flush_confirms(self, timeout: float | None = None) -> bool:
+        """Wait until every confirm handed to :meth:`confirm_later` was sent; False on timeout."""
+        confirmer = self._confirmer
+        return True if confirmer is None or self._pid != os.getpid() else confirmer.flush(timeout)
 
     def unregister(self, spec: RunSpec) -> None:
         self.store.unregister(spec.scope, spec.key, spec.run_id)
@@ -456,6 +492,9 @@ class Gatekeeper:
         return outcome.decision
 
     def close(self) -> None:
+        if self._confirmer is not None and self._pid == os.getpid():
+            self._confirmer.stop(CONFIRM_FLUSH_TIMEOUT)
+            self._confirmer = None
         if self._heartbeater is not None:
             self._heartbeater.stop()
             self._heartbeater = None  # a later track() starts a fresh thread
@@ -613,3 +652,123 @@ class _Heartbeater:
             dropped = [what for _action, what in self._retries]
         for what in dropped:
             logger.error("%s: given up at shutdown; freed when its lease and orphan timeout lapse", what)
+
+
+def flush_all_confirms(timeout: float = CONFIRM_FLUSH_TIMEOUT) -> bool:
+    """Send every confirm this process's gatekeepers still hold; False if ``timeout`` passed first.
+
+    For a producer that closes a store object it passed to an adapter itself: the confirm
+    thread must not use a store that is being closed (adapters flush when they close).
+    """
+    deadline = time.monotonic() + timeout
+    return all(confirmer.flush(max(0.0, deadline - time.monotonic())) for confirmer in list(_CONFIRMERS))
+
+
+atexit.register(flush_all_confirms)  # before the daemon confirm threads stop with the interpreter
+
+
+#: A run to confirm, ``(scope, key, run_id)``, and when (monotonic) its confirm was handed over.
+_Pending = tuple[tuple[str, str, str], float]
+
+
+class _Confirmer:
+    """One thread per process that confirms published registrations, many per store round trip.
+
+    A producer's ``.send()`` registers, publishes and returns; the confirm follows within
+    :data:`CONFIRM_LINGER` in a batch (:meth:`Store.confirm_many`). It never precedes the
+    publish, so a failed publish still leaves only an unconfirmed registration, passed over after
+    the registration grace. A batch that fails on a store outage is tried again until the
+    registration grace has passed (the delivery confirms the run then, as it does any
+    unconfirmed one); pending confirms are sent at close and at interpreter exit.
+    """
+
+    def __init__(self, gatekeeper: Gatekeeper) -> None:
+        self._gatekeeper = gatekeeper
+        self._pending: list[_Pending] = []
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._busy = False  # a batch is being sent
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+        _CONFIRMERS.add(self)
+
+    def add(self, run: tuple[str, str, str]) -> None:
+        with self._lock:
+            inline = self._stopped or not self._started()
+            if not inline:
+                self._pending.append((run, time.monotonic()))
+                if len(self._pending) == 1 and not self._busy:
+                    self._changed.notify_all()
+        if inline:  # closed, or no thread can start (interpreter exit): on the caller's thread
+            self._send([(run, time.monotonic())])
+
+    def _started(self) -> bool:
+        """Start the thread if it is not running yet (called with the lock held)."""
+        if self._thread is None:
+            thread = threading.Thread(target=self._loop, name="singleton-confirm", daemon=True)
+            try:
+                thread.start()
+            except RuntimeError:  # "can't create new thread at interpreter shutdown"
+                return False
+            self._thread = thread
+        return True
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until nothing is pending or being sent; False if ``timeout`` passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            self._changed.notify_all()  # no lingering: send now
+            while self._pending or self._busy:
+                if self._thread is None or not self._thread.is_alive():
+                    break
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._changed.wait(left)
+            return not (self._pending or self._busy)
+
+    def stop(self, timeout: float) -> None:
+        self.flush(timeout)
+        with self._lock:
+            self._stopped = True
+            self._changed.notify_all()
+            dropped = len(self._pending)
+        if dropped:
+            logger.warning("%d published runs not confirmed at close; their deliveries confirm them", dropped)
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._pending and not self._stopped:
+                    self._changed.wait()
+                if self._stopped:
+                    return
+                self._changed.wait(CONFIRM_LINGER)  # more publishes join this batch
+                batch, self._pending = self._pending[:CONFIRM_BATCH], self._pending[CONFIRM_BATCH:]
+                self._busy = True
+            failed = self._send(batch)
+            with self._lock:
+                self._busy = False
+                if failed:
+                    self._pending[:0] = failed
+                self._changed.notify_all()
+            if failed:
+                time.sleep(min(1.0, CONFIRM_LINGER * 100))  # the store is out: do not spin
+
+    def _send(self, batch: list[_Pending]) -> list[_Pending]:
+        """Confirm ``batch``; returns what should be tried again."""
+        try:
+            self._gatekeeper.store.confirm_many([run for run, _since in batch])
+            return []
+        except Exception as error:
+            store = self._gatekeeper._store
+            grace = store.timings.registration_grace if store is not None else DEFAULT_REGISTRATION_GRACE
+            now = time.monotonic()
+            again = [(run, since) for run, since in batch if now - since < grace]
+            logger.warning(
+                "%d published runs not confirmed (%s)%s",
+                len(batch),
+                error,
+                "; retrying" if again else "; their deliveries confirm them",
+            )
+            return again

@@ -374,6 +374,23 @@ class _RegistrationRules(_Contract):
         assert at(store, T0 + 8).unregister(SCOPE, KEY, "d") is True
         assert at(store, T0 + 8).snapshot() == []
 
+    def test_confirm_many_is_each_runs_confirm(self, make_store: StoreFactory) -> None:
+        """A batch of confirms (a producer's confirm thread) across keys: each run's :meth:`confirm`."""
+        store = make_store(timings=Timings(registration_grace=5.0, retention=1000.0))
+        runs = [spec(f"r{i}", key=f"k{i % 3}") for i in range(7)]
+        for i, run in enumerate(runs):
+            registered(store, run, T0 + i * 0.1, confirmed=False)
+        admitted(store, runs[0], 0, T0 + 1)  # delivered first: its claim confirmed it already
+        batch = [(SCOPE, run.key, run.run_id) for run in runs[:6]] + [(SCOPE, "k0", "nobody")]
+        assert at(store, T0 + 2).confirm_many(batch) == [True] * 6 + [False]
+        assert at(store, T0 + 2).confirm_many([]) == []
+        confirmed = {w.run_id: w.confirmed for snap in at(store, T0 + 2).snapshot() for w in snap.waiters}
+        assert confirmed == {"r1": True, "r2": True, "r3": True, "r4": True, "r5": True, "r6": False}
+        # Past the grace the unconfirmed r6 is passed over; the confirmed r3 still counts.
+        assert waiters(store, T0 + 8, key="k0") == ["r3", "r6"]
+        assert at(store, T0 + 8).register(spec("late", key="k0", depth=1)).status is Registered.FULL
+        assert at(store, T0 + 8).register(spec("late", key="k0", depth=2)).status is Registered.REGISTERED
+
     def test_unpublished_registrations_are_passed_over_after_grace(self, make_store: StoreFactory) -> None:
         store = make_store(timings=Timings(registration_grace=5.0, retention=1000.0))
         registered(store, spec("ghost", depth=0), T0, confirmed=False)

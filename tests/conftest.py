@@ -13,6 +13,7 @@ from loopback_cluster import LoopbackCluster
 from services import require_server
 
 from singleton_tasks import Store, store_from_url
+from singleton_tasks.runtime import flush_all_confirms
 
 REDIS_URL = os.environ.get("SINGLETON_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 POSTGRES_URL = os.environ.get("SINGLETON_TEST_POSTGRES_URL", "postgresql://127.0.0.1:5432/test")
@@ -81,6 +82,7 @@ def store_factory(backend: str, tmp_path: Path, request: pytest.FixtureRequest) 
         return store
 
     yield make
+    flush_all_confirms()  # a producer's confirm thread must not use a store being closed
     for store in made:
         store.close()
     purge_namespaces(backend, url, {store.namespace for store in made})

@@ -6,10 +6,11 @@ import contextlib
 import importlib
 import logging
 import subprocess
+import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,10 +34,13 @@ from singleton_tasks import (
     StoreUnavailableError,
     current_admission,
     singleton,
+    store_from_url,
 )
 from singleton_tasks.dramatiq import GENERATION, QueueFull, SingletonMiddleware
-from singleton_tasks.outcomes import RunState
+from singleton_tasks.gate import Timings
+from singleton_tasks.outcomes import RegisterOutcome, RunSpec, RunState
 from singleton_tasks.stores import SCHEMA_VERSION
+from singleton_tasks.stores.memory import MemoryStore
 
 QUEUE = "default"
 FAST = {"retry_delay": 0.05, "retry_jitter": 0.01}
@@ -655,6 +659,104 @@ def test_plain_actors_never_touch_the_store(make_env: Callable[..., Env]) -> Non
     env.join()
     assert message.get_result(backend=env.backend) == 42
     assert GENERATION not in message.options
+
+
+class _CallsByThread(MemoryStore):
+    """A real memory store that notes which thread made each call."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls: list[tuple[str, str, int]] = []  # (operation, thread name, runs)
+
+    def _note(self, operation: str, runs: int = 1) -> None:
+        self.calls.append((operation, threading.current_thread().name, runs))
+
+    def register(self, spec: RunSpec, *, confirmed: bool = True) -> RegisterOutcome:
+        self._note("register")
+        return super().register(spec, confirmed=confirmed)
+
+    def confirm(self, scope: str, key: str, run_id: str) -> bool:
+        self._note("confirm")
+        return super().confirm(scope, key, run_id)
+
+    def confirm_many(self, runs: Sequence[tuple[str, str, str]]) -> list[bool]:
+        self._note("confirm_many", len(runs))
+        return super().confirm_many(runs)
+
+
+@pytest.mark.parametrize("backend", ["memory"])  # the store is given
+def test_send_makes_one_store_call_and_confirms_off_the_callers_thread(make_env: Callable[..., Env]) -> None:
+    """docs/concepts.md#costs: ``.send()`` registers; the confirm follows from the confirm thread, batched."""
+    store = _CallsByThread(f"memory://{uuid.uuid4().hex}")
+    env = make_env(store=store)
+    job = env.job()
+    me = threading.current_thread().name
+    for i in range(20):
+        job.send(f"K{i}", f"r{i}")
+    assert [op for op, thread, _ in store.calls if thread == me] == ["register"] * 20
+    assert env.middleware.gatekeeper.flush_confirms(WAIT)
+    batches = [(thread, runs) for op, thread, runs in store.calls if op == "confirm_many"]
+    assert {thread for thread, _ in batches} == {"singleton-confirm"}
+    assert sum(runs for _, runs in batches) == 20
+    assert all(w.confirmed for snap in env.keys() for w in snap.waiters)
+
+
+_SEND_AND_EXIT = """
+import sys
+import dramatiq
+from dramatiq.brokers.stub import StubBroker
+from singleton_tasks.dramatiq import SingletonMiddleware
+
+broker = StubBroker(middleware=[SingletonMiddleware(sys.argv[1], namespace=sys.argv[2])])
+
+@dramatiq.actor(broker=broker, singleton={"key": "{key}"})
+def job(key):
+    pass
+
+job.send("K")
+"""
+
+
+def test_a_producer_that_exits_right_after_send_confirms_first(tmp_path: Any) -> None:
+    """The confirm thread's batch is sent at interpreter exit, not dropped with the thread."""
+    url, namespace = f"sqlite:///{tmp_path / 'store.db'}", f"n{uuid.uuid4().hex[:8]}"
+    done = subprocess.run(
+        [sys.executable, "-c", _SEND_AND_EXIT, url, namespace], capture_output=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    store = store_from_url(url, namespace=namespace)
+    try:
+        [snap] = store.snapshot()
+        assert [w.confirmed for w in snap.waiters] == [True]
+    finally:
+        store.close()
+
+
+class _PublishFails(dramatiq.Middleware):
+    """After SingletonMiddleware: the publish of a message labelled ``lost`` fails (no after_enqueue)."""
+
+    def before_enqueue(self, broker: Any, message: Any, delay: Any) -> None:
+        if message.args[1:2] == ("lost",):
+            raise MiddlewareError("the broker refused the publish")
+
+
+@pytest.mark.parametrize("backend", ["memory"])  # the store is given
+def test_a_failed_publish_is_never_confirmed_and_leaves_no_ghost(make_env: Callable[..., Env]) -> None:
+    """docs/concepts.md#the-life-of-a-run: the registration of a publish that failed stays
+    unconfirmed, and the next run of its key is admitted once the registration grace passed."""
+    store = _CallsByThread(f"memory://{uuid.uuid4().hex}", timings=Timings(registration_grace=0.5))
+    env = make_env(store=store)
+    env.broker.add_middleware(_PublishFails())
+    job = env.job()
+    with pytest.raises(MiddlewareError, match="refused"):
+        job.send("K", "lost")
+    job.send("K", "next")
+    assert env.middleware.gatekeeper.flush_confirms(WAIT)
+    [snap] = env.keys()
+    assert [w.confirmed for w in snap.waiters] == [False, True]  # lost, then next
+    env.start()
+    env.journal.wait(lambda: env.journal.finished("next"))
+    assert env.journal.started() == ["next"]
 
 
 def test_duplicate_start_of_a_registered_run_id_runs_once(make_env: Callable[..., Env]) -> None:

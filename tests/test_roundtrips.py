@@ -302,3 +302,30 @@ def test_processes_loading_the_library_at_once_all_go_on(redis_url: str) -> None
     finally:
         for store in stores:
             store.close()
+
+
+def test_a_batch_of_confirms_is_one_write_and_one_call_each(
+    store: Store, redis_url: str, call: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A producer's confirm thread sends its batch in one write: one round trip for many runs."""
+    runs = [RunSpec("s", f"key-{i}", f"run-{i}") for i in range(20)]
+    for run in runs:
+        store.register(run, confirmed=False)
+    store.confirm_many([("s", "warm", "nobody"), ("s", "warm", "nobody")])  # loads the script
+    connection = store._thread_client().connection  # type: ignore[attr-defined]
+    writes: list[Any] = []
+    send = connection.send_packed_command
+
+    def counted(command: Any, check_health: bool = True) -> None:
+        writes.append(command)
+        send(command, check_health)
+
+    monkeypatch.setattr(connection, "send_packed_command", counted)
+    confirmed, sent, deltas = commands_sent(
+        redis_url, lambda: store.confirm_many([(r.scope, r.key, r.run_id) for r in runs])
+    )
+    assert confirmed == [True] * 20
+    assert len(writes) == 1, writes
+    assert verbs(sent) == [call] * 20
+    assert deltas.get(f"cmdstat_{call.lower()}") == 20
+    assert all(w.confirmed for snap in store.snapshot(scope="s") for w in snap.waiters)

@@ -5,13 +5,15 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 
 import pytest
 
-from singleton_tasks import SingletonConfig, SingletonConfigError, store_from_url
+from singleton_tasks import SingletonConfig, SingletonConfigError, StoreUnavailableError, store_from_url
 from singleton_tasks.config import BoundSingleton
 from singleton_tasks.outcomes import HolderRef, RunSpec
 from singleton_tasks.runtime import Gatekeeper, WorkerOptions
+from singleton_tasks.stores.memory import MemoryStore
 from singleton_tasks.testing import ManualClock
 
 
@@ -123,4 +125,31 @@ def test_a_run_released_during_a_heartbeat_is_not_reported_lost(caplog: pytest.L
     with caplog.at_level(logging.ERROR, logger="singleton_tasks"):
         assert gatekeeper.heartbeats.beat() == ["r2"]
     assert any("r2 lost its slot" in r.getMessage() for r in caplog.records), caplog.text
+    gatekeeper.close()
+
+
+class _ConfirmFailsOnce(MemoryStore):
+    """A real memory store whose first batch of confirms fails like an outage."""
+
+    failures = 1
+
+    def confirm_many(self, runs: Sequence[tuple[str, str, str]]) -> list[bool]:
+        if self.failures:
+            self.failures -= 1
+            raise StoreUnavailableError("store down")
+        return super().confirm_many(runs)
+
+
+def test_confirms_are_sent_again_after_a_store_outage(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="singleton_tasks")
+    store = _ConfirmFailsOnce(memory())
+    gatekeeper = Gatekeeper(store)
+    task = bound()
+    for i in range(3):
+        run = gatekeeper.spec(task, f"r{i}", (), {})
+        gatekeeper.register(task, run, confirmed=False)
+        gatekeeper.confirm_later(run)
+    assert gatekeeper.flush_confirms(10)
+    assert store.failures == 0 and "published runs not confirmed (store down); retrying" in caplog.text
+    assert [w.confirmed for snap in store.snapshot() for w in snap.waiters] == [True] * 3
     gatekeeper.close()

@@ -350,11 +350,9 @@ class SingletonTask(Task):  # type: ignore[misc]
     def _after_publish(self, gatekeeper: Gatekeeper, spec: RunSpec, payload: bytes | None) -> None:
         """Confirm a published registration, or park one published held back (with its payload)."""
         if payload is None:
-            try:
-                gatekeeper.confirm(spec)
-            except StoreUnavailableError as error:
-                # Published all the same: its delivery confirms it (it takes its place in line).
-                logger.warning("%s run %s published, not confirmed (%s)", self.name, spec.run_id, error)
+            # Batched off this thread; a store outage leaves it unconfirmed, and its delivery
+            # confirms it (it takes its place in line).
+            gatekeeper.confirm_later(spec)
             return
         try:
             _publish_wakes(self._get_app(), gatekeeper.park(self.name, spec, payload))

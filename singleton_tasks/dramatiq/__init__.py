@@ -3,7 +3,8 @@
 The rules live in the store and the shared worker logic in :class:`~singleton_tasks.runtime.Gatekeeper`;
 this module only maps Dramatiq's hooks onto them:
 
-- ``before_enqueue`` registers a new run (the backlog cap raises here), ``after_enqueue`` confirms it;
+- ``before_enqueue`` registers a new run (the backlog cap raises here), ``after_enqueue`` hands its confirm
+  to the process's confirm thread (batched, off the caller's thread);
   every message the library has seen carries ``options["singleton_gen"]`` (its copy's generation), so
   re-publishes of a known run (retries, delay-queue moves, deferrals, wakes) pass through untouched.
 - ``before_process_message`` claims a slot; a denied delivery is deferred as a delayed copy and skipped
@@ -271,14 +272,12 @@ class SingletonMiddleware(dramatiq.Middleware):
         self._local.pending = (message.message_id, spec)
 
     def after_enqueue(self, broker: Broker, message: Message[Any], delay: int) -> None:
-        """Confirm a registration once published; note a retry of the delivery on this thread."""
+        """Confirm a registration once published (batched, off this thread); note a retry of the
+        delivery on this thread."""
         pending: tuple[str, RunSpec] | None = getattr(self._local, "pending", None)
         if pending is not None and pending[0] == message.message_id:
             self._local.pending = None
-            try:
-                self.gatekeeper.confirm(pending[1])
-            except core.StoreUnavailableError as error:
-                logger.warning("run %s published, not confirmed (%s)", pending[0], error)
+            self.gatekeeper.confirm_later(pending[1])
         delivery = self._delivery()
         if (
             delivery is not None

@@ -46,6 +46,33 @@ def _resp_command(parts: Sequence[bytes]) -> bytes:
     return b"".join(out)
 
 
+def _round_trip(conn: Any, packed: list[bytes]) -> list[Any]:
+    """Write ``packed`` commands at once and read every reply in order, with the connection's
+    retry policy; a reply that is an error is returned in its place (the connection stays in
+    step)."""
+
+    def call() -> list[Any]:
+        if getattr(conn, "_sock", None) is None:
+            conn.connect()  # reason 2 above
+        conn.send_packed_command(packed, check_health=False)
+        replies: list[Any] = []
+        for _ in packed:
+            try:
+                replies.append(conn.read_response())
+            except redis.exceptions.ResponseError as error:
+                replies.append(error)
+        return replies
+
+    def failed(_error: Exception) -> None:
+        conn.disconnect()
+
+    return conn.retry.call_with_retry(call, failed)  # type: ignore[no-any-return]
+
+
+def _encoded(part: bytes | str) -> bytes:
+    return part if isinstance(part, bytes) else part.encode("utf-8", "surrogatepass")
+
+
 def call_script(
     client: redis.Redis,
     command: bytes,
@@ -60,44 +87,33 @@ def call_script(
     With ``wait`` the reply is ``(the call's reply, replicas that acknowledged)``. A client
     without a connection of its own (a cluster client's routed path) takes redis-py's path.
     """
-    conn = client.connection
-    if conn is None:  # not a single-connection client: take the general path
+    if client.connection is None:  # not a single-connection client: take the general path
         call_general = client.fcall if command == b"FCALL" else client.evalsha
         reply = call_general(name.decode(), numkeys, *keys_and_args)
         return reply if wait is None else (reply, client.execute_command("WAIT", *wait))  # type: ignore[no-untyped-call]
-    packed = [
-        _resp_command(
-            [
-                command,
-                name,
-                b"%d" % numkeys,
-                *(
-                    part if isinstance(part, bytes) else part.encode("utf-8", "surrogatepass")
-                    for part in keys_and_args
-                ),
-            ]
-        )
-    ]
+    replies, acknowledged = call_batch(
+        client, [[command, name, b"%d" % numkeys, *map(_encoded, keys_and_args)]], wait
+    )
+    if isinstance(replies[0], Exception):
+        raise replies[0]
+    return replies[0] if wait is None else (replies[0], acknowledged)
+
+
+def call_batch(
+    client: redis.Redis, calls: Sequence[Sequence[bytes]], wait: Sequence[bytes] | None = None
+) -> tuple[list[Any], Any]:
+    """Commands in one write on the client's own connection (a single-connection client), every
+    reply read in order: ``(replies, replicas that acknowledged or None)``, a reply that is an
+    error in its place.
+    """
+    packed = [_resp_command(call) for call in calls]
     if wait is not None:
         packed.append(_resp_command([b"WAIT", *wait]))
-
-    def call() -> Any:
-        if getattr(conn, "_sock", None) is None:
-            conn.connect()  # type: ignore[no-untyped-call]  # reason 2 above
-        conn.send_packed_command(packed, check_health=False)  # type: ignore[no-untyped-call]
-        if wait is None:
-            return conn.read_response()
-        try:
-            reply = conn.read_response()
-        except redis.exceptions.ResponseError:
-            conn.read_response()  # WAIT's reply: the connection stays in step
-            raise
-        return reply, conn.read_response()
-
-    def failed(_error: Exception) -> None:
-        conn.disconnect()  # type: ignore[no-untyped-call]
-
-    return conn.retry.call_with_retry(call, failed)
+    replies = _round_trip(client.connection, packed)
+    acknowledged = replies.pop() if wait is not None else None
+    if isinstance(acknowledged, Exception):
+        raise acknowledged
+    return replies, acknowledged
 
 
-__all__ = ["call_script"]
+__all__ = ["call_batch", "call_script"]

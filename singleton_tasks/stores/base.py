@@ -166,6 +166,11 @@ class Store(abc.ABC):
     def confirm(self, scope: str, key: str, run_id: str) -> bool:
         """Confirm a registration once its message was published."""
 
+    def confirm_many(self, runs: Sequence[tuple[str, str, str]]) -> list[bool]:
+        """Confirm several published registrations, each ``(scope, key, run_id)``: :meth:`confirm`
+        of each, in one round trip where the store can (a producer's background confirms)."""
+        return [self.confirm(scope, key, run_id) for scope, key, run_id in runs]
+
     @abc.abstractmethod
     def unregister(self, scope: str, key: str, run_id: str) -> bool:
         """Undo a registration whose message could not be published."""

@@ -39,7 +39,8 @@ try:  # the driver, when installed (Store.check_drivers names the extra otherwis
     import redis.exceptions
     from redis.commands.core import Script
 
-    from ._redis_call import call_script as _call_script  # imports the driver too
+    from ._redis_call import call_batch as _call_batch  # imports the driver too
+    from ._redis_call import call_script as _call_script
 except ImportError:  # pragma: no cover - the core-only install (tests/test_extras.py)
     pass
 
@@ -611,11 +612,13 @@ class RedisStore(Store):
 
     def _key_op(self, name: str, scope: str, key: str, run_id: str, *args: bytes) -> Any:
         """A per-key script: lib.lua's KEYS and ARGV layout, then ``args``."""
+        return self._eval(name, 7, *self._key_args(scope, key, run_id, *args))
+
+    def _key_args(self, scope: str, key: str, run_id: str, *args: bytes) -> tuple[bytes, ...]:
+        """The seven keys and the arguments of a per-key script (lib.lua's layout), then ``args``."""
         tag, run = _hash_tag(scope, key), _text(run_id)
         prefix = self._ns_colon + tag + b":"
-        return self._eval(
-            name,
-            7,
+        return (
             prefix + b"meta",
             prefix + b"waiters",
             prefix + b"holders",
@@ -653,6 +656,32 @@ class RedisStore(Store):
 
     def confirm(self, scope: str, key: str, run_id: str) -> bool:
         return bool(self._key_op("confirm", scope, key, run_id))
+
+    def confirm_many(self, runs: Sequence[tuple[str, str, str]]) -> list[bool]:
+        """Every confirm in one write on this thread's connection, the replies read in order: one
+        round trip for the batch (with ``wait_replicas``, one WAIT behind the last).
+
+        A reply that is an error (a server that lost the library or the script, or has no
+        functions for us) sends the batch again one call at a time by :meth:`confirm`, which
+        loads what is missing: a confirm made twice changes nothing.
+        """
+        client = self._thread_client()
+        if len(runs) < 2 or client.connection is None:  # a cluster client: each key's node
+            return super().confirm_many(runs)
+        if self._functions:
+            head = (b"FCALL", self._function_names["confirm"], b"7")
+        else:
+            head = (b"EVALSHA", self._scripts["confirm"].sha.encode(), b"7")
+        calls = [(*head, *self._key_args(scope, key, run_id)) for scope, key, run_id in runs]
+        try:
+            replies, acknowledged = _call_batch(client, calls, self._wait)
+        except redis.exceptions.RedisError as error:
+            self._fail(error)
+        if any(isinstance(reply, Exception) for reply in replies):
+            return super().confirm_many(runs)
+        if acknowledged is not None:
+            self._check_acknowledged(int(acknowledged))
+        return [bool(reply) for reply in replies]
 
     def unregister(self, scope: str, key: str, run_id: str) -> bool:
         return bool(self._key_op("unregister", scope, key, run_id))
