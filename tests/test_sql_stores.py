@@ -239,6 +239,39 @@ def test_threads_never_overlap(make_store: Callable[..., Store]) -> None:
     assert last is not None and last > tokens[-1]
 
 
+
+def test_sqlite_close_leaves_a_connection_in_use_to_its_thread(tmp_path: Path) -> None:
+    """close() from one thread while another is inside a transaction (a worker's confirm or
+    heartbeat thread at shutdown): closing a connection in use can crash the interpreter, so the
+    using thread finishes and closes it itself."""
+    import sqlite3
+
+    store = store_from_url(f"sqlite:///{tmp_path / 'x.db'}", namespace="n")
+    store.migrate()
+    entered, proceed = threading.Event(), threading.Event()
+    seen: dict[str, Any] = {}
+
+    def use() -> None:
+        with store._begin(write=False):  # type: ignore[attr-defined]
+            connection = store._local.connection  # type: ignore[attr-defined]
+            entered.set()
+            proceed.wait(5)
+            seen["row"] = connection.execute("SELECT 1").fetchone()
+        try:
+            connection.execute("SELECT 1")
+        except sqlite3.ProgrammingError:
+            seen["closed after"] = True
+
+    user = threading.Thread(target=use)
+    user.start()
+    assert entered.wait(5)
+    store.close()
+    proceed.set()
+    user.join(5)
+    assert seen == {"row": (1,), "closed after": True}
+    assert store.claim(RunSpec("s", "k", "r"), 0, None).decision is Decision.ADMITTED  # usable again
+    store.close()
+
 # -- errors and URLs -----------------------------------------------------------------------------------
 
 

@@ -71,6 +71,11 @@ class SQLiteStore(SQLStore):
         self._local = threading.local()
         self._connections: list[tuple[weakref.ref[threading.Thread], int, sqlite3.Connection]] = []
         self._shared: sqlite3.Connection | None = None
+        #: Connections inside a transaction now, and those of them that close() asked to close:
+        #: closing a connection another thread is using can crash the interpreter, so the
+        #: thread closes it itself when its transaction ends.
+        self._in_use: set[sqlite3.Connection] = set()
+        self._close_after_use: set[sqlite3.Connection] = set()
 
     def _now_arg(self) -> float:
         return self.time()  # the host's clock: SQLite serves one host
@@ -138,20 +143,37 @@ class SQLiteStore(SQLStore):
     def _begin(self, *, write: bool) -> Iterator[SQLCursor]:
         with self._lock if self._memory else contextlib.nullcontext():
             connection = self._connection()
+            if not self._memory:  # in memory, self._lock already keeps close() out
+                with self._lock:
+                    self._in_use.add(connection)
             try:
-                connection.execute("BEGIN IMMEDIATE" if write else "BEGIN")
-            except sqlite3.Error as error:
-                raise StoreUnavailableError(f"{self.url}: cannot begin a transaction: {error}") from error
-            try:
-                yield SQLCursor(connection.cursor(), self.dialect, (sqlite3.Error,), self.url)
-                connection.execute("COMMIT")
-            except BaseException as error:
-                if connection.in_transaction:
-                    with contextlib.suppress(sqlite3.Error):
-                        connection.execute("ROLLBACK")
-                if isinstance(error, sqlite3.Error):
-                    raise StoreUnavailableError(f"{self.url}: cannot commit: {error}") from error
-                raise
+                try:
+                    connection.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+                except sqlite3.Error as error:
+                    raise StoreUnavailableError(f"{self.url}: cannot begin a transaction: {error}") from error
+                try:
+                    yield SQLCursor(connection.cursor(), self.dialect, (sqlite3.Error,), self.url)
+                    connection.execute("COMMIT")
+                except BaseException as error:
+                    if connection.in_transaction:
+                        with contextlib.suppress(sqlite3.Error):
+                            connection.execute("ROLLBACK")
+                    if isinstance(error, sqlite3.Error):
+                        raise StoreUnavailableError(f"{self.url}: cannot commit: {error}") from error
+                    raise
+            finally:
+                if not self._memory:
+                    self._done_with(connection)
+
+    def _done_with(self, connection: sqlite3.Connection) -> None:
+        """End this thread's use of ``connection``; close it if close() came meanwhile."""
+        with self._lock:
+            self._in_use.discard(connection)
+            closing = connection in self._close_after_use
+            self._close_after_use.discard(connection)
+        if closing:
+            with contextlib.suppress(sqlite3.Error):
+                connection.close()
 
     def close(self) -> None:
         with self._lock:
@@ -160,6 +182,9 @@ class SQLiteStore(SQLStore):
                 connections.append(self._shared)
             self._connections, self._shared = [], None
             self._local = threading.local()
+            busy = [c for c in connections if c in self._in_use]
+            self._close_after_use.update(busy)  # their threads close them (_done_with)
+            connections = [c for c in connections if c not in self._in_use]
         for connection in connections:
             with contextlib.suppress(sqlite3.Error):
                 connection.close()
