@@ -144,7 +144,7 @@ def fetch_for_this_worker(queue_name: str) -> int:
 
 
 #: Serializes the fetches of worker threads (7.).
-_FETCHING = threading.Lock()
+_FETCHING = threading.RLock()  # re-entrant: a fetched message nacked at once runs broker hooks
 
 
 def fetch_now(consumers: dict[str, ConsumerThread], queue_name: str) -> int:
