@@ -316,3 +316,57 @@ def test_redis_py_a_pinned_connection_takes_packed_commands_and_reconnects_by_co
     assert sentinel_connection.connect is not redis.connection.Connection.connect
     packed_send = inspect.getsource(redis.connection.Connection.send_packed_command)
     assert "self.connect()" not in packed_send, "redis-py reconnects by connect() now: reason 2 is gone"
+
+
+def test_dramatiq_7_worker_threads_fetching_at_once_stay_within_the_prefetch_window() -> None:
+    # Several worker threads release at once (a burst of keys settling) and each fetches for
+    # the same consumer: together they must not take more than its prefetch window, which is
+    # what the consumer itself never exceeds (the surplus would sit in this worker's ack set
+    # while other workers idle).
+    from conftest import BROKER_REDIS_URL
+    from dramatiq.brokers.redis import RedisBroker
+    from services import require_server
+
+    require_server(BROKER_REDIS_URL, "Redis")
+    broker = RedisBroker(url=BROKER_REDIS_URL, namespace=f"internals-{uuid.uuid4().hex[:8]}", middleware=[])
+    queue = f"q{uuid.uuid4().hex[:8]}"
+    bodies_may_end = threading.Event()
+
+    @dramatiq.actor(broker=broker, queue_name=queue)
+    def job() -> None:
+        bodies_may_end.wait(30)
+
+    worker = dramatiq.Worker(broker, worker_threads=4, worker_timeout=20_000)
+    worker.start()
+    try:
+        consumer_thread = worker.consumers[queue]
+        pause = threading.Event()  # never set: wait() is a bounded sleep
+        # 10 misses: the consumer sleeps 2.5-5 s, far past the fetches below.
+        for _ in range(2000):
+            if consumer_thread.consumer is not None and consumer_thread.consumer.misses >= 10:
+                break
+            pause.wait(0.01)
+        consumer = consumer_thread.consumer
+        assert consumer is not None and consumer.misses >= 10
+        for _ in range(40):
+            job.send()
+        threads = 8
+        start = threading.Barrier(threads)
+        fetched: list[int] = []
+
+        def fetch() -> None:
+            start.wait(10)
+            fetched.append(dramatiq_internals.fetch_now(worker.consumers, queue))
+
+        fetchers = [threading.Thread(target=fetch) for _ in range(threads)]
+        for thread in fetchers:
+            thread.start()
+        for thread in fetchers:
+            thread.join(10)
+        assert sum(fetched) <= consumer.prefetch, fetched
+        assert consumer.outstanding_message_count <= consumer.prefetch
+    finally:
+        bodies_may_end.set()
+        worker.stop()
+        broker.client.delete(*broker.client.keys(f"{broker.namespace}:*") or ["-"])
+        broker.close()

@@ -143,6 +143,10 @@ def fetch_for_this_worker(queue_name: str) -> int:
     return fetch_now(thread.consumers, queue_name)
 
 
+#: Serializes the fetches of worker threads (7.).
+_FETCHING = threading.RLock()  # re-entrant: a fetched message nacked at once runs broker hooks
+
+
 def fetch_now(consumers: dict[str, ConsumerThread], queue_name: str) -> int:
     """Fetch ``queue_name`` for the worker whose consumer threads are ``consumers`` (7.)."""
     module = sys.modules.get("dramatiq.brokers.redis")
@@ -152,12 +156,15 @@ def fetch_now(consumers: dict[str, ConsumerThread], queue_name: str) -> int:
     consumer = consumer_thread.consumer
     if not isinstance(consumer, module._RedisConsumer):
         return 0
-    room = consumer.prefetch - consumer.outstanding_message_count
-    if room <= 0:
-        return 0  # the window is full: the consumer fetches when it has room
-    fetched = consumer.broker.do_fetch(queue_name, room)
-    for data in fetched:
-        message = Message.decode(data)
-        consumer.queued_message_ids.add(message.message_id)
-        consumer_thread.handle_message(dramatiq.MessageProxy(message))
+    # One worker thread at a time: threads releasing at once would each see the same room and
+    # together fetch several windows (the consumer's own fetch is not serialized with these).
+    with _FETCHING:
+        room = consumer.prefetch - consumer.outstanding_message_count
+        if room <= 0:
+            return 0  # the window is full: the consumer fetches when it has room
+        fetched = consumer.broker.do_fetch(queue_name, room)
+        for data in fetched:
+            message = Message.decode(data)
+            consumer.queued_message_ids.add(message.message_id)
+            consumer_thread.handle_message(dramatiq.MessageProxy(message))
     return len(fetched)

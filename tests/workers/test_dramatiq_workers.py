@@ -383,3 +383,48 @@ def test_pipelines_and_groups_of_singletons_complete(shared: App) -> None:
     assert len(runs) == 4
     for before, after in itertools.pairwise(runs):
         assert after["start"] >= before["end"]
+
+
+def _unacked(app: App) -> dict[str, set[bytes]]:
+    """The RedisBroker's ack sets of this app's queues (every worker id): messages fetched, not acked."""
+    sets: dict[str, set[bytes]] = {}
+    for name in app.log.scan_iter(match=b"dramatiq:__acks__.*", count=1000):
+        if name.decode().endswith((app.config.queue, app.config.queue + ".DQ")):
+            members = app.log.smembers(name)
+            if members:
+                sets[name.decode()] = members
+    return sets
+
+
+def test_a_burst_through_a_graceful_shutdown_runs_every_run_once_and_leaves_nothing_unacked(
+    make_app: Callable[..., App],
+) -> None:
+    """Worker threads that release during a graceful shutdown still publish wakes and fetch them
+    (their consumers run until the threads stop): what they fetched goes back to the queue, the
+    next worker runs every run once, in order, by wakes alone, and no ack set keeps a message."""
+    if "redis" not in brokers():
+        pytest.skip("RedisBroker only")
+    app = make_app("redis", "redis", retry_delay=30.0)  # a lost wake waits 30 s: past every wait below
+    app.start_workers(count=1, threads=4, worker_timeout_ms=10_000)
+    keys = [unique("burst") for _ in range(6)]
+    sent = {key: [app.record.send(key, f"{key}/{i}", 0.3).message_id for i in range(5)] for key in keys}
+    every = [run_id for runs in sent.values() for run_id in runs]
+    app.wait(lambda: sum(len(app.runs(k)) for k in keys) >= 5, timeout=20, what="the burst under way")
+    first = app.workers.pop()
+    first.send_signal(signal.SIGTERM)  # mid-burst: four bodies finish, release, wake and fetch
+    first.wait(30)
+    assert first.returncode == 0
+    (app.logs / "worker-0.log").rename(app.logs / "worker-0-first.log")
+    app.start_workers(count=1, threads=4, worker_timeout_ms=10_000)
+    app.wait(lambda: sum(len(app.runs(k)) for k in keys) >= len(every), timeout=25, what="every run")
+    for key in keys:
+        runs = sorted(app.runs(key), key=lambda r: r["start"])
+        assert [r["run_id"] for r in runs] == sent[key]  # each once, in order
+        for before, after in itertools.pairwise(runs):
+            assert after["start"] >= before["end"]
+    app.wait(lambda: all(not app.keys(k) for k in keys), timeout=10, what="every key idle")
+    second = app.workers.pop()
+    second.send_signal(signal.SIGTERM)
+    second.wait(30)
+    assert second.returncode == 0
+    assert _unacked(app) == {}
