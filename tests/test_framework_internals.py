@@ -8,10 +8,12 @@ checks the redis-py internals of ``singleton_tasks/stores/_redis_call.py``.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import threading
 import uuid
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import dramatiq
@@ -241,36 +243,55 @@ def test_dramatiq_6_due_delayed_messages_are_moved_by_consumer_threads() -> None
     assert threads == [False, True], "the due message is enqueued again by a ConsumerThread"
 
 
-def test_dramatiq_7_a_worker_thread_fetches_past_a_backed_off_redis_consumer() -> None:
+@contextlib.contextmanager
+def _backed_off_redis_worker(
+    body: Callable[[], None], *, threads: int, worker_timeout: int, misses: int
+) -> Iterator[tuple[dramatiq.Actor[[], None], dramatiq.Worker, Any, str]]:
+    """A real RedisBroker worker (private namespace and queue) whose consumer has found its queue
+    empty ``misses`` times and sleeps in its back-off: ``(actor, worker, consumer, queue)``."""
     from conftest import BROKER_REDIS_URL
     from dramatiq.brokers.redis import RedisBroker
 
     require_server(BROKER_REDIS_URL, "Redis")
     broker = RedisBroker(url=BROKER_REDIS_URL, namespace=f"internals-{uuid.uuid4().hex[:8]}", middleware=[])
     queue = f"q{uuid.uuid4().hex[:8]}"
-    ran = threading.Event()
-
-    @dramatiq.actor(broker=broker, queue_name=queue)
-    def job() -> None:
-        ran.set()
-
-    assert dramatiq_internals.fetch_for_this_worker(queue) == 0, "not a worker thread: nothing fetched"
-    worker = dramatiq.Worker(broker, worker_threads=1, worker_timeout=2_000)
+    actor = dramatiq.actor(body, broker=broker, queue_name=queue, actor_name=f"job_{queue}")
+    worker = dramatiq.Worker(broker, worker_threads=threads, worker_timeout=worker_timeout)
     worker.start()
     try:
         consumer_thread = worker.consumers[queue]
         pause = threading.Event()  # never set: wait() is a bounded sleep
-        # The consumer finds its queue empty and backs off: 8 misses = a sleep of 0.64–1.28 s.
-        for _ in range(1000):
-            if consumer_thread.consumer is not None and consumer_thread.consumer.misses >= 8:
+        for _ in range(3000):
+            if consumer_thread.consumer is not None and consumer_thread.consumer.misses >= misses:
                 break
             pause.wait(0.01)
         consumer = consumer_thread.consumer
-        assert consumer is not None and consumer.misses >= 8
+        assert consumer is not None and consumer.misses >= misses
+        yield actor, worker, consumer, queue
+    finally:
+        worker.stop()
+        leftovers = broker.client.keys(f"{broker.namespace}:*")
+        if leftovers:
+            broker.client.delete(*leftovers)
+        broker.close()
+
+
+@pytest.mark.redis
+def test_dramatiq_7_a_worker_thread_fetches_past_a_backed_off_redis_consumer() -> None:
+    ran = threading.Event()
+    assert dramatiq_internals.fetch_for_this_worker("any") == 0, "not a worker thread: nothing fetched"
+    # 8 misses: the consumer sleeps 0.64-1.28 s.
+    with _backed_off_redis_worker(ran.set, threads=1, worker_timeout=2_000, misses=8) as (
+        job,
+        worker,
+        consumer,
+        queue,
+    ):
         sent = job.send()
         assert dramatiq_internals.fetch_now(worker.consumers, queue) == 1
         assert sent.message_id in consumer.queued_message_ids  # counted as the consumer's own
         assert ran.wait(10)
+        pause = threading.Event()
         for _ in range(500):  # acked through the consumer by the worker thread
             if not consumer.queued_message_ids:
                 break
@@ -279,9 +300,46 @@ def test_dramatiq_7_a_worker_thread_fetches_past_a_backed_off_redis_consumer() -
         assert consumer.misses >= 8, "the consumer itself never received the message"
         assert dramatiq_internals.fetch_now(worker.consumers, queue) == 0  # an empty queue
         assert dramatiq_internals.fetch_now(worker.consumers, "no-such-queue") == 0
-    finally:
-        worker.stop()
-        broker.close()
+
+
+@pytest.mark.redis
+def test_dramatiq_7_worker_threads_fetching_at_once_stay_within_the_prefetch_window() -> None:
+    # Several worker threads release at once (a burst of keys settling) and each fetches for
+    # the same consumer: together they must not take more than its prefetch window, which is
+    # what the consumer itself never exceeds (the surplus would sit in this worker's ack set
+    # while other workers idle).
+    bodies_may_end = threading.Event()
+
+    def hold() -> None:
+        bodies_may_end.wait(30)
+
+    # 10 misses: the consumer sleeps 2.5-5 s, far past the fetches below.
+    with _backed_off_redis_worker(hold, threads=4, worker_timeout=20_000, misses=10) as (
+        job,
+        worker,
+        consumer,
+        queue,
+    ):
+        try:
+            for _ in range(40):
+                job.send()
+            threads = 8
+            start = threading.Barrier(threads)
+            fetched: list[int] = []
+
+            def fetch() -> None:
+                start.wait(10)
+                fetched.append(dramatiq_internals.fetch_now(worker.consumers, queue))
+
+            fetchers = [threading.Thread(target=fetch) for _ in range(threads)]
+            for thread in fetchers:
+                thread.start()
+            for thread in fetchers:
+                thread.join(10)
+            assert sum(fetched) <= consumer.prefetch, fetched
+            assert consumer.outstanding_message_count <= consumer.prefetch
+        finally:
+            bodies_may_end.set()
 
 
 # -- redis-py (singleton_tasks/stores/_redis_call.py) -------------------------------------------
@@ -316,57 +374,3 @@ def test_redis_py_a_pinned_connection_takes_packed_commands_and_reconnects_by_co
     assert sentinel_connection.connect is not redis.connection.Connection.connect
     packed_send = inspect.getsource(redis.connection.Connection.send_packed_command)
     assert "self.connect()" not in packed_send, "redis-py reconnects by connect() now: reason 2 is gone"
-
-
-def test_dramatiq_7_worker_threads_fetching_at_once_stay_within_the_prefetch_window() -> None:
-    # Several worker threads release at once (a burst of keys settling) and each fetches for
-    # the same consumer: together they must not take more than its prefetch window, which is
-    # what the consumer itself never exceeds (the surplus would sit in this worker's ack set
-    # while other workers idle).
-    from conftest import BROKER_REDIS_URL
-    from dramatiq.brokers.redis import RedisBroker
-    from services import require_server
-
-    require_server(BROKER_REDIS_URL, "Redis")
-    broker = RedisBroker(url=BROKER_REDIS_URL, namespace=f"internals-{uuid.uuid4().hex[:8]}", middleware=[])
-    queue = f"q{uuid.uuid4().hex[:8]}"
-    bodies_may_end = threading.Event()
-
-    @dramatiq.actor(broker=broker, queue_name=queue)
-    def job() -> None:
-        bodies_may_end.wait(30)
-
-    worker = dramatiq.Worker(broker, worker_threads=4, worker_timeout=20_000)
-    worker.start()
-    try:
-        consumer_thread = worker.consumers[queue]
-        pause = threading.Event()  # never set: wait() is a bounded sleep
-        # 10 misses: the consumer sleeps 2.5-5 s, far past the fetches below.
-        for _ in range(2000):
-            if consumer_thread.consumer is not None and consumer_thread.consumer.misses >= 10:
-                break
-            pause.wait(0.01)
-        consumer = consumer_thread.consumer
-        assert consumer is not None and consumer.misses >= 10
-        for _ in range(40):
-            job.send()
-        threads = 8
-        start = threading.Barrier(threads)
-        fetched: list[int] = []
-
-        def fetch() -> None:
-            start.wait(10)
-            fetched.append(dramatiq_internals.fetch_now(worker.consumers, queue))
-
-        fetchers = [threading.Thread(target=fetch) for _ in range(threads)]
-        for thread in fetchers:
-            thread.start()
-        for thread in fetchers:
-            thread.join(10)
-        assert sum(fetched) <= consumer.prefetch, fetched
-        assert consumer.outstanding_message_count <= consumer.prefetch
-    finally:
-        bodies_may_end.set()
-        worker.stop()
-        broker.client.delete(*broker.client.keys(f"{broker.namespace}:*") or ["-"])
-        broker.close()
