@@ -145,6 +145,10 @@ def _hash_tag(scope: str, key: str) -> bytes:
     return b"{" + hashlib.sha1(b"%d\0%s\0%s" % (len(scope_b), scope_b, key_b)).hexdigest().encode() + b"}"
 
 
+#: Every hash tag has this length (braces around a SHA-1 in hex).
+_TAG_LENGTH = 2 + 2 * hashlib.sha1().digest_size
+
+
 @functools.lru_cache(maxsize=16)
 def _timing_args(timings: Timings) -> tuple[bytes, bytes]:
     """The encoded registration grace and retention."""
@@ -860,8 +864,9 @@ class RedisStore(Store):
     def _index_busy_keys(self) -> None:
         """Add every key with runs to the busy-key index (the upgrade from version 2)."""
         start = len(self._ns_colon)
-        tags = {k[start : start + 42] for k in self._scan(b"holders")}
-        tags |= {k[start : start + 42] for k in self._scan(b"waiters")}
+        end = start + _TAG_LENGTH
+        tags = {k[start:end] for k in self._scan(b"holders")}
+        tags |= {k[start:end] for k in self._scan(b"waiters")}
         try:
             pipe = self._client.pipeline(transaction=False)
             for tag in sorted(tags):
