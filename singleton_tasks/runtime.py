@@ -86,6 +86,9 @@ def resolve_store_url(store: str | None) -> str:
 CLOCK_SKEW_WARNING = 1.0
 #: How often (seconds) a worker's background thread sweeps the store's expired state.
 SWEEP_INTERVAL = 300.0
+#: A sweep goes in slices of about this long (seconds), with the heartbeats due in between: a
+#: backlog of expired rows (minutes of deletes after a million keys expire) never holds one back.
+SWEEP_SLICE = 0.2
 #: The confirm thread waits this long (seconds) after a publish for more to batch with it.
 CONFIRM_LINGER = 0.005
 #: At most this many confirms are sent in one round trip.
@@ -539,6 +542,7 @@ class _Heartbeater:
         self._stopped = False
         self._thread: threading.Thread | None = None
         self._next_sweep = 0.0
+        self._sweeping = False  # a sweep found expired state: its next slice comes at once
         self._skew_warned = 0.0
 
     @property
@@ -623,23 +627,37 @@ class _Heartbeater:
         return lost
 
     def sweep(self) -> None:
-        """Forget the store's expired state (settled markers, idle keys) every SWEEP_INTERVAL."""
+        """Forget a slice of the store's expired state (settled markers, idle keys).
+
+        Every SWEEP_INTERVAL, a slice of SWEEP_SLICE; while a slice found something, the next
+        one follows at once (the loop beats in between when a beat is due).
+        """
         if time.monotonic() < self._next_sweep:
             return
         self._next_sweep = time.monotonic() + SWEEP_INTERVAL
-        swept = self._gatekeeper.store.sweep()
+        self._sweeping = False  # a failed slice ends the sweep until the next interval
+        swept = self._gatekeeper.store.sweep(until=time.monotonic() + SWEEP_SLICE)
         if swept:
             logger.debug("swept %d expired records from the store", swept)
+            self._next_sweep, self._sweeping = 0.0, True
 
     def _loop(self) -> None:
+        beaten_at = time.monotonic()
         while True:
             with self._lock:
                 if self._stopped:
                     return
-                self._changed.wait(self._interval())
-                if self._stopped:
-                    return
-            for step in (self.beat, self.run_retries, self.sweep):
+                if not self._sweeping:
+                    self._changed.wait(self._interval())
+                    if self._stopped:
+                        return
+                    beaten_at = 0.0  # the interval passed, or a shorter lease came: beat now
+            if time.monotonic() >= beaten_at + self.interval:
+                steps: tuple[Callable[[], object], ...] = (self.beat, self.run_retries, self.sweep)
+                beaten_at = time.monotonic()
+            else:
+                steps = (self.sweep,)  # the next slice of a sweep, between two beats
+            for step in steps:
                 try:
                     step()
                 except Exception:  # a store outage must not kill the heartbeat thread

@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import sqlite3
 import time
 import uuid
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 
-from singleton_tasks import SingletonConfig, SingletonConfigError, StoreUnavailableError, store_from_url
+from singleton_tasks import (
+    SingletonConfig,
+    SingletonConfigError,
+    StoreUnavailableError,
+    runtime,
+    store_from_url,
+)
 from singleton_tasks.config import BoundSingleton
 from singleton_tasks.outcomes import HolderRef, RunSpec
 from singleton_tasks.runtime import Gatekeeper, WorkerOptions
+from singleton_tasks.stores._sql import SQLStore
 from singleton_tasks.stores.memory import MemoryStore
 from singleton_tasks.testing import ManualClock
 
@@ -153,3 +163,44 @@ def test_confirms_are_sent_again_after_a_store_outage(caplog: pytest.LogCaptureF
     assert store.failures == 0 and "published runs not confirmed (store down); retrying" in caplog.text
     assert [w.confirmed for snap in store.snapshot() for w in snap.waiters] == [True] * 3
     gatekeeper.close()
+
+
+def _sql_rows(path: Path) -> int:
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        tables = ("singleton_keys", "singleton_settled")
+        return sum(db.execute(f"SELECT count(*) FROM {table}").fetchone()[0] for table in tables)
+
+
+def test_the_heartbeat_thread_sweeps_one_slice_per_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each step of the heartbeat thread sweeps for about SWEEP_SLICE seconds and leaves the rest to
+    the next step, which comes at once (not SWEEP_INTERVAL later): the thread beats in between, so
+    a long sweep (minutes for a million expired rows) never holds a heartbeat back."""
+    monkeypatch.setattr(runtime, "SWEEP_SLICE", 0.0)  # every slice: one transaction
+    clock = ManualClock(1000.0)
+    path = tmp_path / "sweep.db"
+    store = store_from_url(f"sqlite:///{path}", clock=clock, retention=100.0)
+    assert isinstance(store, SQLStore)
+    store.migrate()
+    store.sweep_batch = 1
+
+    def leave_idle_keys(first: int) -> None:  # a key row and a settled marker each
+        for i in range(first, first + 3):
+            spec = RunSpec("s", f"k{i}", f"r{i}")
+            store.release("s", spec.key, spec.run_id, token=store.claim(spec, 0, None).token)
+
+    leave_idle_keys(0)
+    clock.set(1200.0)
+    gatekeeper = Gatekeeper(store)
+    left = []
+    for _ in range(4):
+        gatekeeper.heartbeats.sweep()
+        left.append(_sql_rows(path))
+    assert left == [4, 2, 0, 0]  # a marker and a key per slice; the last slice finds nothing
+    leave_idle_keys(3)
+    clock.set(1400.0)
+    gatekeeper.heartbeats.sweep()
+    assert _sql_rows(path) == 6  # swept through: the next sweep waits for SWEEP_INTERVAL
+    gatekeeper.close()
+    store.close()

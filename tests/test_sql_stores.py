@@ -15,6 +15,7 @@ from conftest import POSTGRES_URL, require_server
 from singleton_tasks import Store, store_from_url
 from singleton_tasks.errors import SingletonConfigError, StoreUnavailableError
 from singleton_tasks.outcomes import Decision, HolderRef, RunSpec
+from singleton_tasks.stores._sql import SQLStore
 from singleton_tasks.stores.sqlite import sqlite_path
 from singleton_tasks.testing import ManualClock, at
 
@@ -239,7 +240,6 @@ def test_threads_never_overlap(make_store: Callable[..., Store]) -> None:
     assert last is not None and last > tokens[-1]
 
 
-
 def test_sqlite_close_leaves_a_connection_in_use_to_its_thread(tmp_path: Path) -> None:
     """close() from one thread while another is inside a transaction (a worker's confirm or
     heartbeat thread at shutdown): closing a connection in use can crash the interpreter, so the
@@ -271,6 +271,7 @@ def test_sqlite_close_leaves_a_connection_in_use_to_its_thread(tmp_path: Path) -
     assert seen == {"row": (1,), "closed after": True}
     assert store.claim(RunSpec("s", "k", "r"), 0, None).decision is Decision.ADMITTED  # usable again
     store.close()
+
 
 # -- errors and URLs -----------------------------------------------------------------------------------
 
@@ -412,3 +413,34 @@ def test_processes_never_overlap(sql_url: str, tmp_path: Path) -> None:
     assert len(tokens) == len(set(tokens)) == 20  # every admission got its own token
     assert setup.snapshot() == []
     setup.close()
+
+
+def _leave_idle_keys(store: Store, count: int) -> None:
+    """``count`` keys, each left idle by one settled run: a key row and a settled marker each,
+    both forgotten 100 s after 1000.0 (the store's retention is 100 s)."""
+    for i in range(count):
+        spec = RunSpec("s", f"k{i}", f"r{i}")
+        token = at(store, 1000.0).claim(spec, 0, None).token
+        assert at(store, 1000.0).release("s", spec.key, spec.run_id, token=token).released
+
+
+def test_a_sweep_with_a_deadline_stops_after_the_transaction_that_passes_it(
+    make_store: Callable[..., Store], sql_url: str
+) -> None:
+    """A worker's heartbeat thread sweeps in slices: a million expired rows take minutes to delete,
+    and a heartbeat must not wait for all of them. The rest is left to the next call."""
+    store = make_store(retention=100.0)
+    assert isinstance(store, SQLStore)
+    store.sweep_batch = 2
+    _leave_idle_keys(store, 5)
+    assert _rows(store, sql_url) == (5, 5)
+    first = at(store, 1200.0).sweep(until=0.0)  # a deadline already past: one transaction
+    assert first == 4  # two markers and two keys
+    assert _rows(store, sql_url) == (3, 3)
+    total = first
+    while swept := store.sweep(until=0.0):
+        total += swept
+    assert total == 10
+    assert _rows(store, sql_url) == (0, 0)
+    _leave_idle_keys(store, 5)
+    assert at(store, 1200.0).sweep() == 10  # without a deadline: everything, as before

@@ -13,6 +13,7 @@ import contextlib
 import functools
 import re
 import sqlite3
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -397,6 +398,10 @@ class SQLStore(RuleStore):
 
     dialect: ClassVar[Dialect]
 
+    #: Expired settled markers, and as many idle keys, that :meth:`sweep` deletes per transaction:
+    #: short transactions, so a sweep never holds a lock a run's operation waits on for long.
+    sweep_batch: int = 500
+
     @abc.abstractmethod
     def _begin(self, *, write: bool) -> contextlib.AbstractContextManager[SQLCursor]:
         """A cursor in a transaction: committed on exit, rolled back on error.
@@ -434,16 +439,16 @@ class SQLStore(RuleStore):
                     alive[index] = gate.heartbeat(tx, ref.run_id, ref.token)
         return alive, self.time() if store_time is None else store_time
 
-    def sweep(self) -> int:
+    def sweep(self, *, until: float | None = None) -> int:
         """Forget expired settled markers and idle keys of the namespace, in small transactions."""
-        swept, params = 0, {"namespace": self.dialect.store_text(self.namespace), "count": 500}
+        swept, params = 0, {"namespace": self.dialect.store_text(self.namespace), "count": self.sweep_batch}
         while True:
             now = self.time()
             with self._begin(write=True) as cursor:
                 batch = cursor.run("sweep_settled", {**params, "now": now})
                 batch += cursor.run("sweep_keys", {**params, "now": now})
             swept += batch
-            if batch == 0:
+            if batch == 0 or (until is not None and time.monotonic() >= until):
                 return swept
 
     def snapshot(self, *, scope: str | None = None, key: str | None = None) -> list[KeySnapshot]:

@@ -232,11 +232,18 @@ class Store(abc.ABC):
                 f"run `singleton-tasks migrate --store URL` (drain singleton runs first)"
             )
 
-    def sweep(self) -> int:
+    def sweep(self, *, until: float | None = None) -> int:
         """Forget the namespace's expired state (settled markers, idle keys); returns how much.
 
         Workers call it now and then; stores whose server expires data by itself (Redis key
         TTLs) have nothing to do.
+
+        Arguments:
+            until: A :func:`time.monotonic` deadline: stop at the first chance after it (a
+                store that deletes in transactions finishes the one it is in) and leave the
+                rest to the next call. A worker's heartbeat thread sweeps in such slices,
+                calling again while a call returns more than 0, so that its heartbeats never
+                wait for a long sweep. None: sweep everything.
         """
         return 0
 
