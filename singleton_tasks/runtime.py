@@ -636,9 +636,11 @@ class _Heartbeater:
             return
         self._next_sweep = time.monotonic() + SWEEP_INTERVAL
         self._sweeping = False  # a failed slice ends the sweep until the next interval
-        swept = self._gatekeeper.store.sweep(until=time.monotonic() + SWEEP_SLICE)
+        until = time.monotonic() + SWEEP_SLICE
+        swept = self._gatekeeper.store.sweep(until=until)
         if swept:
             logger.debug("swept %d expired records from the store", swept)
+        if swept and time.monotonic() >= until:  # stopped by the deadline: more may be left
             self._next_sweep, self._sweeping = 0.0, True
 
     def _loop(self) -> None:
