@@ -21,7 +21,8 @@ Glossary (docs/concepts.md has the user's account of each):
   a wake copy of it was published).
 - *copy*: one message of a run; every copy the library publishes carries a *generation*, and a
   run's record lists its *live* generations. A delivery of a generation that is not live is a
-  *stale copy*: dropped, never run.
+  *stale copy*: dropped, never run, unless the store issued it in a write it has since lost
+  (:func:`issued_in_a_lost_write`): that copy is the run's, and it is live.
 - *wake*: the copy published when a waiter's turn comes (a slot freed ahead of it): its stored
   payload, live as a new generation (:class:`~singleton_tasks.outcomes.Wake`).
 - *held back*: a message published with a delay (Dramatiq's ``delay``, Celery's ``countdown`` /
@@ -269,6 +270,18 @@ def issued_before(generation: int, moment: float) -> bool:
     return generation != 0 and generation < micros(moment)
 
 
+def issued_in_a_lost_write(run: RunRecord, generation: int) -> bool:
+    """Whether a copy of ``run`` carries a generation the store issued after it recorded the run,
+    in a write it no longer has (an asynchronous failover, an evicted Redis): newer than every
+    generation the record knows, and issued after the record was created.
+
+    Such a copy is the only one of its run left (its predecessors were acked when it was
+    published): dropped as stale, the run would never run. A re-driven run's record is newer than
+    every copy of the run's earlier life, so those stay stale.
+    """
+    return generation > run.generation and generation >= micros(run.created_at)
+
+
 def _next(counter: int, now: float) -> int:
     """The next token or generation: above every earlier one, and at least the clock in µs."""
     return max(counter + 1, micros(now))
@@ -498,7 +511,10 @@ def claim(
         tx.clear_settled(spec.run_id)
         run = _new_waiter(spec, meta, now, timings, confirmed=True, generation=generation)
     elif generation not in run.live:
-        return stale()
+        if not issued_in_a_lost_write(run, generation):
+            return stale()
+        run.live = sorted({*run.live, generation})  # the store's record of the copy, restored
+        run.generation = generation
     run.lease = spec.lease
     run.orphan_timeout = spec.orphan_timeout
     run.recheck = spec.recheck

@@ -607,6 +607,30 @@ class _HandoffRules(_Contract):
         gated(store, w, g3, T0 + 10, position=1)
         assert waiters(store, T0 + 10) == ["w"]
 
+    def test_a_copy_issued_in_a_write_the_store_lost_is_live(self, make_store: StoreFactory) -> None:
+        # An asynchronous failover loses the write that gave a waiter's deferred copy its
+        # generation: the promoted replica never saw it. That copy is the run's only one left
+        # (the copy before it was acked when it was published): dropped as stale, the run would
+        # never run, and its key would wait for it to be passed over.
+        store = make_store()
+        h, w = spec("h", lease=60.0), spec("w", lease=60.0)
+        token = admitted(store, h, 0, T0)
+        known = gated(store, w, 0, T0 + 1, b"w", position=1).generation
+        assert known is not None
+        lost = known + 5_000_000  # issued at T0 + 6 in a write the store no longer has
+        again = gated(store, w, lost, T0 + 7, b"w", position=1).generation  # deferred, not dropped
+        assert again is not None and again > lost
+        wake = the_wake(at(store, T0 + 8).release(SCOPE, KEY, "h", token=token).wakes, "w")
+        w_token = admitted(store, w, wake.generation, T0 + 9)
+        busy = at(store, T0 + 10).claim(w, wake.generation, b"w")  # a duplicate while it runs
+        assert busy.decision is Decision.BUSY and busy.generation is not None
+        assert at(store, T0 + 11).release(SCOPE, KEY, "w", token=w_token).released
+        # Re-driven later (first sight), the run's record is new: a copy issued in its earlier
+        # life, newer than the re-driven copy, is not mistaken for a lost one.
+        admitted(store, w, wake.generation, T0 + 20)
+        stale(store, w, busy.generation, T0 + 21)
+        assert holders(store, T0 + 21) == ["w"]
+
     def test_revoked_waiter_copies_are_stale(self, make_store: StoreFactory) -> None:
         store = make_store()
         admitted(store, spec("h"), 0, T0)

@@ -284,7 +284,11 @@ class Model:
             )
             k.runs.append(run)
         elif generation not in run.live:
-            return stale()
+            # Newer than the record knows and issued after it was made: a write the store lost.
+            if not (generation > run.generation and generation >= micros(run.created_at)):
+                return stale()
+            run.live = sorted({*run.live, generation})
+            run.generation = generation
         run.lease, run.orphan, run.recheck = spec.lease, spec.orphan_timeout, spec.recheck
         if run.state is RunState.HOLDING:
             if run.executing and run.lease_expires_at > now:
@@ -559,7 +563,11 @@ class GateMachine(RuleBasedStateMachine):
         run_id = self.run_id(key, number)
         # Mostly the copy the broker would deliver; sometimes an older one or one never issued.
         latest = self.latest.get((key, run_id), 0)
-        known = [latest] * 4 + sorted(self.generations.get((key, run_id), set()) | {0, BOGUS})
+        # Copies issued in a write the store lost (a failover): newer than any it knows, issued
+        # just after the newest known one or now.
+        newest = max(latest, *self.generations.get((key, run_id), {0}))
+        lost = {newest + 1, max(newest + 1, micros(self.now))}
+        known = [latest] * 4 + sorted(self.generations.get((key, run_id), set()) | {0, BOGUS, *lost})
         generation = data.draw(st.sampled_from(known), label="generation")
         self.step += 1
         payload = f"{run_id}@{self.step}\0".encode() if with_payload else None

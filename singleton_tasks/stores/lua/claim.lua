@@ -69,7 +69,11 @@ if run == nil then
   clear_settled(run_id)
   run = new_waiter(meta, run_id, now, true, generation, lease, orphan_timeout, recheck)
 elseif not contains(run.live, generation) then
-  return stale()
+  if not issued_in_a_lost_write(run, generation) then
+    return stale()
+  end
+  run.live = sorted_generations(generation, unpack(run.live)) -- the record of the copy, restored
+  run.generation = generation
 end
 run.lease = lease
 run.orphan_timeout = orphan_timeout

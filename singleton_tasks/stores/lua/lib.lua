@@ -82,6 +82,11 @@ local function issued_before(generation, moment)
   return generation ~= 0 and generation < micros(moment)
 end
 
+-- gate.issued_in_a_lost_write: a copy the store issued in a write it has lost (a failover).
+local function issued_in_a_lost_write(run, generation)
+  return generation > run.generation and generation >= micros(run.created_at)
+end
+
 local K = {}
 
 -- The sizes of the holders and waiters zsets, read at most once per call and kept in step by
