@@ -17,7 +17,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from .common import STORE_REDIS_URL, Report, Row, Size, alternate
+import redis
+from redis.cluster import RedisCluster
+
+from singleton_tasks.stores.redis_cluster import RedisClusterStore, cluster_seeds
+
+from .common import BROKER_REDIS_URL, STORE_REDIS_URL, Report, Row, Size, alternate
 from .dramatiq_cases import (
     BURST_STARTS,
     BurstOrders,
@@ -53,19 +58,56 @@ def cluster_url(url: str | None) -> Iterator[str]:
         process.wait(30)
 
 
-def _noop(store_url: str, n: int) -> float:
-    """Runs/s of n no-op runs of distinct keys, queued before the worker starts."""
+def _servers(store_url: str) -> list[redis.Redis]:
+    """The broker's Redis and the store's servers, each once (the standalone store shares the
+    broker's server by default; a cluster: every node, replicas too)."""
+    urls = [BROKER_REDIS_URL]
+    if store_url.split("://")[0] in RedisClusterStore.schemes:
+        cluster = RedisCluster.from_url(cluster_seeds(store_url)[0])
+        urls += [f"redis://{node.host}:{node.port}" for node in cluster.get_nodes()]  # type: ignore[no-untyped-call]
+        cluster.close()
+    else:
+        urls.append(store_url)
+    by_address: dict[tuple[str, int], str] = {}
+    for url in urls:
+        options = redis.connection.parse_url(url)  # type: ignore[no-untyped-call]
+        by_address.setdefault((options.get("host", "localhost"), int(options.get("port", 6379))), url)
+    return [redis.Redis.from_url(url) for url in by_address.values()]
+
+
+def _cpu_seconds(servers: list[redis.Redis]) -> float:
+    """The servers' CPU time so far (INFO cpu), summed."""
+    total = 0.0
+    for server in servers:
+        info = server.info("cpu")
+        total += float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+    return total
+
+
+def _noop(store_url: str, n: int, costs: dict[str, list[float]] | None = None) -> float:
+    """Runs/s of n no-op runs of distinct keys, queued before the worker starts.
+
+    ``costs`` gets this process's CPU per run (µs, ``worker``) and the CPU per run of the broker's
+    and the store's Redis servers (``servers``).
+    """
     rig = make_rig("redis", "singleton", n, store_url=store_url)
+    servers = _servers(store_url)
     try:
         send_all(rig, n)
+        cpu0, servers0 = time.process_time(), _cpu_seconds(servers)
         with worker(rig):
             t0 = time.perf_counter()
             if not rig.recorder.done.wait(300):
                 raise RuntimeError(f"no-op on {store_url}: only {len(rig.recorder.spans)}/{n} ran")
             t1 = max(s.end for s in rig.recorder.spans)
+            if costs is not None:
+                costs.setdefault("worker", []).append((time.process_time() - cpu0) / n * 1e6)
+                costs.setdefault("servers", []).append((_cpu_seconds(servers) - servers0) / n * 1e6)
         return n / (t1 - t0)
     finally:
         cleanup(rig)
+        for server in servers:
+            server.close()
 
 
 def _burst(
@@ -91,11 +133,12 @@ def _burst(
 
 def case_cluster(report: Report, size: Size, runs: int, url: str | None, worker_timeout: int) -> None:
     with cluster_url(url or CLUSTER_URL) as cluster:
+        costs: dict[str, dict[str, list[float]]] = {"standalone": {}, "cluster": {}}
         noop = alternate(
             runs,
             [
-                ("standalone", functools.partial(_noop, STORE_REDIS_URL, size.noop)),
-                ("cluster", functools.partial(_noop, cluster, size.noop)),
+                ("standalone", functools.partial(_noop, STORE_REDIS_URL, size.noop, costs["standalone"])),
+                ("cluster", functools.partial(_noop, cluster, size.noop, costs["cluster"])),
             ],
         )
         orders = BurstOrders()
@@ -122,6 +165,25 @@ def case_cluster(report: Report, size: Size, runs: int, url: str | None, worker_
             note="broker: the standalone Redis; cluster nodes on the same host",
         )
     )
+    # Where the time goes: the worker's CPU, and the servers' (six cluster nodes beside the broker).
+    for what, note in (
+        ("worker", "worker process, all threads"),
+        ("servers", "the broker's Redis and the store's servers (standalone: one server for both)"),
+    ):
+        label = "worker CPU per run" if what == "worker" else "Redis servers' CPU per run"
+        for variant, name in (("standalone", "standalone Redis store"), ("cluster", "Redis Cluster store")):
+            report.add(
+                Row(
+                    case,
+                    f"{label}: {name}",
+                    "µs",
+                    costs[variant][what],
+                    baseline=None if variant == "standalone" else f"{label}: standalone Redis store",
+                    higher_is_better=False,
+                    key=f"cluster.noop.{what}_cpu.{variant}",
+                    note=note,
+                )
+            )
     ratio = statistics.median(noop["cluster"]) / statistics.median(noop["standalone"])
     report.target("9", "cluster no-op ≥ 0.90× standalone", f"{ratio:.2f}×", ratio >= 0.90)
     burst_case = (

@@ -12,6 +12,7 @@ import json
 import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -69,6 +70,54 @@ def test_one_heartbeat_extends_holders_on_three_primaries(
     after = {s.key: s.holders[0].lease_expires_at for s in store.snapshot()}
     assert sorted(after) == sorted(keys)
     assert all(after[key] > before[key] for key in keys), (before, after)
+
+
+def count_writes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The port each write to a server goes to, from now on (every command a client sends is one)."""
+    ports: list[int] = []
+    send = redis.connection.AbstractConnection.send_packed_command
+
+    def counted(self: redis.connection.AbstractConnection, command: Any, check_health: bool = True) -> None:
+        ports.append(self.port)  # type: ignore[attr-defined]
+        send(self, command, check_health)
+
+    monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", counted)
+    return ports
+
+
+@cluster
+def test_a_batch_of_confirms_is_one_write_per_primary(
+    store: RedisClusterStore, redis_cluster: LoopbackCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A producer's confirm thread sends its batch in one write per primary, not one round trip per run."""
+    runs = [(SCOPE, f"key-{i}", f"run-{i}") for i in range(30)]  # keys of every primary
+    for scope, key, run_id in runs:
+        store.register(RunSpec(scope, key, run_id), confirmed=False)
+    writes = count_writes(monkeypatch)
+    assert store.confirm_many(runs) == [True] * len(runs)
+    monkeypatch.undo()
+    assert sorted(writes) == redis_cluster.primary_ports(), writes
+    assert all(w.confirmed for snap in store.snapshot(scope=SCOPE) for w in snap.waiters)
+    assert store.confirm_many([*runs[:2], (SCOPE, "key-0", "nobody")]) == [True, True, False]
+
+
+@cluster
+def test_each_operation_is_one_write_to_its_keys_primary(
+    store: RedisClusterStore, redis_cluster: LoopbackCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The uncontended run's register, claim and release: one round trip each, to the primary of
+    the key's slot (no routing or schema read in between)."""
+    [key] = keys_on_distinct_primaries(store, redis_cluster, 1)
+    primary = redis_cluster.primary_port_of(store._prefix(SCOPE, key))
+    spec = RunSpec(SCOPE, key, "run")
+    store.register(RunSpec(SCOPE, key, "warm"))  # the thread's first call connects
+    assert store.unregister(SCOPE, key, "warm")
+    writes = count_writes(monkeypatch)
+    store.register(spec)
+    claimed = store.claim(spec, 0, None)
+    assert store.release(SCOPE, key, "run", token=claimed.token).released
+    assert claimed.decision is Decision.ADMITTED
+    assert writes == [primary] * 3
 
 
 @cluster

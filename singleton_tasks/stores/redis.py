@@ -565,26 +565,41 @@ class RedisStore(Store):
         nothing ran the first time.
         """
         try:
-            client = self._thread_client()
-            if self._functions:
-                function = self._function_names[name]
-                try:
-                    return _call_script(client, b"FCALL", function, numkeys, keys_and_args, wait)
-                except redis.exceptions.ResponseError as error:
-                    if _function_missing(error):
-                        if self._load_library(client):
-                            return _call_script(client, b"FCALL", function, numkeys, keys_and_args, wait)
-                    elif not _no_functions(error):
-                        raise
-                    self._functions = False
-            script = self._scripts[name]
-            try:
-                return _call_script(client, b"EVALSHA", script.sha.encode(), numkeys, keys_and_args, wait)
-            except redis.exceptions.NoScriptError:
-                script.sha = client.script_load(script.script)
-                return _call_script(client, b"EVALSHA", script.sha.encode(), numkeys, keys_and_args, wait)
+            return self._call_on(self._thread_client(), name, numkeys, keys_and_args, wait)
         except redis.exceptions.RedisError as error:
             self._fail(error)
+
+    def _call_on(
+        self,
+        client: redis.Redis,
+        name: str,
+        numkeys: int,
+        keys_and_args: Sequence[bytes | str],
+        wait: Sequence[bytes] | None,
+    ) -> Any:
+        """:meth:`_call` on ``client`` (the cluster store picks the primary of the keys' slot);
+        raises RedisError."""
+        if self._functions:
+            function = self._function_names[name]
+            try:
+                return _call_script(client, b"FCALL", function, numkeys, keys_and_args, wait)
+            except redis.exceptions.ResponseError as error:
+                if _function_missing(error):
+                    if self._load_library(client):
+                        return _call_script(client, b"FCALL", function, numkeys, keys_and_args, wait)
+                elif not _no_functions(error):
+                    raise
+                self._functions = False
+        script = self._scripts[name]
+        try:
+            return _call_script(client, b"EVALSHA", script.sha.encode(), numkeys, keys_and_args, wait)
+        except redis.exceptions.NoScriptError:
+            script.sha = self._load_script(client, script)
+            return _call_script(client, b"EVALSHA", script.sha.encode(), numkeys, keys_and_args, wait)
+
+    def _load_script(self, client: redis.Redis, script: Script) -> str:
+        """Load ``script`` for EVALSHA; its SHA."""
+        return client.script_load(script.script)
 
     def _load_library(self, client: redis.Redis) -> bool:
         """Load the function library; False if this server or user cannot have functions."""
@@ -669,20 +684,25 @@ class RedisStore(Store):
         functions for us) sends the batch again one call at a time by :meth:`confirm`, which
         loads what is missing: a confirm made twice changes nothing.
         """
-        client = self._thread_client()
-        if len(runs) < 2 or client.connection is None:  # a cluster client: each key's node
+        if len(runs) < 2:
             return super().confirm_many(runs)
+        try:
+            confirmed = self._confirm_batch(self._thread_client(), runs)
+        except redis.exceptions.RedisError as error:
+            self._fail(error)
+        return super().confirm_many(runs) if confirmed is None else confirmed
+
+    def _confirm_batch(self, client: redis.Redis, runs: Sequence[tuple[str, str, str]]) -> list[bool] | None:
+        """The confirms of ``runs`` in one write on ``client``'s own connection; None if a reply
+        is an error (the caller sends them again one at a time). Raises RedisError."""
         if self._functions:
             head = (b"FCALL", self._function_names["confirm"], b"7")
         else:
             head = (b"EVALSHA", self._scripts["confirm"].sha.encode(), b"7")
         calls = [(*head, *self._key_args(scope, key, run_id)) for scope, key, run_id in runs]
-        try:
-            replies, acknowledged = _call_batch(client, calls, self._wait)
-        except redis.exceptions.RedisError as error:
-            self._fail(error)
+        replies, acknowledged = _call_batch(client, calls, self._wait)
         if any(isinstance(reply, Exception) for reply in replies):
-            return super().confirm_many(runs)
+            return None
         if acknowledged is not None:
             self._check_acknowledged(int(acknowledged))
         return [bool(reply) for reply in replies]

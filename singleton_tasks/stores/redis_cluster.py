@@ -8,7 +8,11 @@ on the primary that serves it. What the cluster changes is handled here:
   follows ``MOVED``/``ASK``; after a failover or a resharding it refreshes its slot map.
 * The namespace's schema record is one key; the cluster client reads it from whichever primary
   serves its slot (a worker reads it once, when it opens the store).
+* Each script call goes straight to the primary of its keys' slot, on a connection pinned to
+  the calling thread (as on one server); a reply that the cluster changed sends it through the
+  cluster client's routed path (:class:`~singleton_tasks.stores._cluster_client.ClusterClient`).
 * The heartbeat of many holders is one call per hash slot (a script may only touch one slot).
+  A producer's batch of confirms is one write per primary.
 * The function library is loaded on every primary (a replica gets it by replication, so a
   promoted replica has it); a primary that lacks it (a node added by a resharding) makes the
   call load it on every primary and retry once.
@@ -39,6 +43,7 @@ try:  # the driver, when installed (Store.check_drivers names the extra otherwis
     import redis.crc
     import redis.exceptions
     from redis.cluster import ClusterNode
+    from redis.commands.core import Script
 except ImportError:  # pragma: no cover - the core-only install (tests/test_extras.py)
     pass
 
@@ -190,13 +195,65 @@ class RedisClusterStore(RedisStore):
         # The cluster client keeps a connection pool per node and is safe to share by threads.
         return self._client
 
+    def _call(
+        self, name: str, numkeys: int, keys_and_args: Sequence[bytes | str], wait: Sequence[bytes] | None
+    ) -> Any:
+        """The call on this thread's connection to the primary of its keys' slot (all of a
+        script's keys share one slot); the cluster client's routed path where that primary
+        answers that the cluster changed (``MOVED``, ``TRYAGAIN``, a lost connection, ...)."""
+        cluster = cast("ClusterClient", self._client)
+        try:
+            if numkeys:
+                try:
+                    client = cluster.node_client(cast(bytes, keys_and_args[0]))
+                    return self._call_on(client, name, numkeys, keys_and_args, wait)
+                except cluster.reroute:
+                    pass  # the routed path follows the cluster's new layout
+            return self._call_on(self._client, name, numkeys, keys_and_args, wait)
+        except redis.exceptions.RedisError as error:
+            self._fail(error)
+
+    def confirm_many(self, runs: Sequence[tuple[str, str, str]]) -> list[bool]:
+        """One write per primary on this thread's connection to it: the confirms of the keys
+        it serves, the replies read in order. A primary whose batch fails with a reply of the
+        cluster changing (or any error reply) gets its confirms again one at a time, routed."""
+        cluster = cast("ClusterClient", self._client)
+        groups: dict[int, tuple[redis.Redis, list[int]]] = {}
+        try:
+            for index, (scope, key, _run_id) in enumerate(runs):
+                client = cluster.node_client(self._prefix(scope, key))
+                groups.setdefault(id(client), (client, []))[1].append(index)
+        except cluster.reroute:
+            groups = {}  # no usable slot map: every confirm on the routed path
+        confirmed: list[bool | None] = [None] * len(runs)
+        for client, indexes in groups.values():
+            batch = [runs[index] for index in indexes]
+            try:
+                replies = self._confirm_batch(client, batch) if len(batch) > 1 else None
+            except cluster.reroute:
+                replies = None
+            except redis.exceptions.RedisError as error:
+                self._fail(error)
+            if replies is None:
+                continue  # sent again one at a time below
+            for index, reply in zip(indexes, replies, strict=True):
+                confirmed[index] = reply
+        return [
+            self.confirm(*runs[index]) if reply is None else reply for index, reply in enumerate(confirmed)
+        ]
+
+    def _load_script(self, client: redis.Redis, script: Script) -> str:
+        """Load ``script`` on every primary (the routed SCRIPT LOAD), not only the one that lacked it."""
+        return super()._load_script(self._client, script)
+
     def _load_library(self, client: redis.Redis) -> bool:
         """Load the function library on every primary; False if they cannot have functions.
 
         REPLACE: a primary that has the library already must not stop the others loading it.
+        ``client`` may be one primary's (the direct path): the library goes to all of them.
         """
         try:
-            client.function_load(_function_library()[0], replace=True)
+            self._client.function_load(_function_library()[0], replace=True)
         except redis.exceptions.ResponseError as error:
             if _no_functions(error):
                 return False
