@@ -214,6 +214,15 @@ def _script_calls(server: RedisProcess) -> int:
     return sum(int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in ("fcall", "evalsha"))
 
 
+def _waiters_on(server: RedisProcess, namespace: str, key: str) -> list[str]:
+    """The runs queued for ``key`` as that server has them."""
+    store = store_from_url(server.url, namespace=namespace)
+    try:
+        return [w.run_id for snap in store.snapshot(scope="s", key=key) for w in snap.waiters]
+    finally:
+        store.close()
+
+
 def _until(condition: Callable[[], bool], timeout: float) -> bool:
     """Wait for ``condition`` at most ``timeout`` seconds; whether it held (the caller decides)."""
     deadline = time.monotonic() + timeout
@@ -249,17 +258,53 @@ def test_the_first_write_after_the_announcement_reaches_the_new_primary(
         old_calls = _script_calls(topology.servers[old])
         store.register(RunSpec("s", "after", "after"))
         assert _script_calls(topology.servers[old]) == old_calls, "the write went to the old primary"
-        on_new = store_from_url(topology.servers[new].url, namespace=namespace)
-        try:
-            [snap] = on_new.snapshot(scope="s", key="after")
-            assert [w.run_id for w in snap.waiters] == ["after"]
-        finally:
-            on_new.close()
+        assert _waiters_on(topology.servers[new], namespace, "after") == ["after"]
     finally:
         announcements.close()
         store.close()
         if old is not None:
             topology.wait_failover_done(old)
+
+
+def _subscribers(sentinel: RedisProcess) -> int:
+    return len(sentinel.client.execute_command("CLIENT", "LIST", "TYPE", "pubsub").splitlines())
+
+
+def test_a_store_dropped_by_its_sentinel_listens_to_another_and_stops_at_close(
+    topology: Topology, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The store listens for failovers on one sentinel; when that one drops the connection it
+    listens to another, and still follows the next failover. Closed, it listens to none."""
+    caplog.set_level(logging.INFO, logger="singleton_tasks")
+    namespace = _namespace()
+    store = store_from_url(SENTINEL_URL, namespace=namespace)
+    old = None
+    try:
+        store.migrate()
+        store.register(RunSpec("s", "before", "before"))  # the first use starts the listener
+        wait_for(lambda: sum(map(_subscribers, topology.sentinels)) == 1, "the store to subscribe")
+        [first] = [s for s in topology.sentinels if _subscribers(s)]
+        first.client.execute_command("CLIENT", "KILL", "TYPE", "pubsub")
+        wait_for(
+            lambda: any(_subscribers(s) for s in topology.sentinels if s is not first),
+            "the store to subscribe on another sentinel",
+        )
+        announcements = Announcements(topology.sentinels)
+        try:
+            old, _ = topology.failover()
+            _announced_at, new = announcements.wait_all(len(topology.sentinels))
+        finally:
+            announcements.close()
+        _until(lambda: bool(_followed(caplog)), 5.0)
+        old_calls = _script_calls(topology.servers[old])
+        store.register(RunSpec("s", "after", "after"))
+        assert _script_calls(topology.servers[old]) == old_calls, "the write went to the old primary"
+        assert _waiters_on(topology.servers[new], namespace, "after") == ["after"]
+    finally:
+        store.close()
+        if old is not None:
+            topology.wait_failover_done(old)
+    wait_for(lambda: sum(map(_subscribers, topology.sentinels)) == 0, "the closed store to unsubscribe")
 
 
 def test_writes_acknowledged_through_a_failover(
