@@ -620,7 +620,8 @@ class RedisStore(Store):
         one more system call per operation; in a worker of many threads each is a GIL hand-off
         (the no-op benchmark: ~25 % less worker CPU per run with pinned connections). The
         connection goes back to the pool when the thread's client is collected, and a forked
-        child makes its own.
+        child makes its own. When ``_primary_generation`` has moved on (the Sentinel store heard
+        of a failover), the thread connects again before its call: one integer compare per call.
         """
         threads = self._threads
         client: redis.Redis | None = getattr(threads, "client", None)

@@ -174,11 +174,12 @@ class RedisSentinelStore(RedisStore):
             for sentinel in list(self._sentinel.sentinels):
                 if stop.is_set():
                     return
+                started = time.monotonic()
                 try:
                     known = self._listen_to(sentinel, known, stop)
-                    failures = 0
                 except (redis.exceptions.RedisError, OSError, ValueError) as error:
-                    failures += 1
+                    # A subscription that lasted is not a failure: its sentinel went away later.
+                    failures = 0 if time.monotonic() - started > _QUIET_PING_S else failures + 1
                     logger.debug("%r: listening to sentinel %r: %s", self, sentinel, error)
             # Every sentinel failed: try again soon, then less often.
             stop.wait(min(0.1 * failures, 2.0))
@@ -197,7 +198,8 @@ class RedisSentinelStore(RedisStore):
             if reply:
                 current = (_as_text(reply[0]), int(reply[1]))
                 if known is not None and current != known:
-                    self._primary_changed(known, current, sentinel)
+                    # Not asked first: this sentinel may be the one that has not heard yet.
+                    self._primary_changed(known, current, None)
                 known = current
             heard = time.monotonic()
             pinged = False
@@ -227,13 +229,14 @@ class RedisSentinelStore(RedisStore):
         return known
 
     def _primary_changed(
-        self, old: tuple[str, int] | None, new: tuple[str, int], sentinel: redis.Redis
+        self, old: tuple[str, int] | None, new: tuple[str, int], announcer: redis.Redis | None
     ) -> None:
-        """The announcing sentinel is asked first from now on (it names the new primary; another
-        may not have heard yet), and every connection of the store connects again."""
+        """Every connection of the store connects again; the sentinel that announced the switch,
+        if any, is asked first from now on (it names the new primary; another may not have heard
+        yet: sentinels pass a new configuration on every 2 s)."""
         sentinels = self._sentinel.sentinels
-        if sentinel in sentinels:  # the swap redis-py's discover_master makes itself
-            at = sentinels.index(sentinel)
+        if announcer is not None and announcer in sentinels:  # discover_master's own swap
+            at = sentinels.index(announcer)
             sentinels[0], sentinels[at] = sentinels[at], sentinels[0]
         self._primary_generation += 1  # the pinned connections: at their thread's next call
         self._client.connection_pool.disconnect(inuse_connections=False)  # the idle pooled ones

@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 import threading
 import time
 import uuid
@@ -305,6 +306,35 @@ def test_a_store_dropped_by_its_sentinel_listens_to_another_and_stops_at_close(
         if old is not None:
             topology.wait_failover_done(old)
     wait_for(lambda: sum(map(_subscribers, topology.sentinels)) == 0, "the closed store to unsubscribe")
+
+
+def test_a_forked_child_listens_for_failovers_of_its_own(topology: Topology) -> None:
+    """A thread does not survive fork: the child's first operation starts its own listener."""
+    store = store_from_url(SENTINEL_URL, namespace=_namespace())
+    try:
+        store.migrate()
+        store.register(RunSpec("s", "parent", "parent"))
+        wait_for(lambda: sum(map(_subscribers, topology.sentinels)) == 1, "the parent to subscribe")
+        child_used, parent_saw = os.pipe(), os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: one operation, then wait for the parent to look
+            code = 1
+            try:
+                store.register(RunSpec("s", "child", "child"))
+                os.write(child_used[1], b"x")
+                os.read(parent_saw[0], 1)
+                code = 0
+            finally:
+                os._exit(code)
+        try:
+            assert os.read(child_used[0], 1) == b"x"
+            wait_for(lambda: sum(map(_subscribers, topology.sentinels)) == 2, "the child to subscribe")
+        finally:
+            os.write(parent_saw[1], b"x")
+            _pid, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        store.close()
 
 
 def test_writes_acknowledged_through_a_failover(
