@@ -555,21 +555,22 @@ class RedisStore(Store):
         wait = None if name == "snapshot" else self._wait
         if wait is None:
             reply = self._call(name, numkeys, keys_and_args, None)
-            self._check_primary_unchanged(generation)
+            if self._primary_generation != generation:
+                self._primary_changed_during_call()
             return reply
         reply, acknowledged = self._call(name, numkeys, keys_and_args, wait)
-        self._check_primary_unchanged(generation)
+        if self._primary_generation != generation:
+            self._primary_changed_during_call()
         self._check_acknowledged(int(acknowledged))
         return reply
 
-    def _check_primary_unchanged(self, generation: int) -> None:
+    def _primary_changed_during_call(self) -> NoReturn:
         """A call answered after the store heard of a failover may have been answered by the old
         primary, which loses what it took: it fails closed rather than report that success."""
-        if self._primary_generation != generation:
-            raise StoreUnavailableError(
-                f"{self!r}: the sentinels announced a new primary while this call was made; it may "
-                "have been applied on the old primary only, and lost with it"
-            )
+        raise StoreUnavailableError(
+            f"{self!r}: the sentinels announced a new primary while this call was made; it may "
+            "have been applied on the old primary only, and lost with it"
+        )
 
     def _call(
         self, name: str, numkeys: int, keys_and_args: Sequence[bytes | str], wait: Sequence[bytes] | None
@@ -718,7 +719,8 @@ class RedisStore(Store):
             replies, acknowledged = _call_batch(client, calls, self._wait)
         except redis.exceptions.RedisError as error:
             self._fail(error)
-        self._check_primary_unchanged(generation)
+        if self._primary_generation != generation:
+            self._primary_changed_during_call()
         if any(isinstance(reply, Exception) for reply in replies):
             return super().confirm_many(runs)
         if acknowledged is not None:
