@@ -35,6 +35,7 @@ from worker_env import BROKERS, LOG_URL, fresh_namespace
 
 from singleton_tasks import StoreUnavailableError, store_from_url
 from singleton_tasks.outcomes import Decision, RunSpec
+from singleton_tasks.stores.base import Store
 
 pytestmark = pytest.mark.sentinel
 
@@ -238,74 +239,59 @@ def _followed(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
     return [r for r in caplog.records if "moving its connections to the new primary" in r.getMessage()]
 
 
-def test_the_first_write_after_the_announcement_reaches_the_new_primary(
-    topology: Topology, caplog: pytest.LogCaptureFixture
-) -> None:
-    """This thread's connection, pinned to the primary, is not reused once the sentinels have
-    announced another: the write after that is made on the new primary, none on the old one (which
-    accepts writes, and loses them, until Sentinel turns it into a replica ~10 s later)."""
-    caplog.set_level(logging.INFO, logger="singleton_tasks")
-    namespace = _namespace()
-    store = store_from_url(SENTINEL_URL, namespace=namespace)
-    announcements = Announcements(topology.sentinels)
-    old = None
-    try:
-        store.migrate()
-        store.register(RunSpec("s", "before", "before"))  # this thread's connection: on the primary
-        old, _ = topology.failover()
-        _announced_at, new = announcements.wait_all(len(topology.sentinels))
-        # The store hears the announcement on a thread of its own: let it (the assertions decide).
-        _until(lambda: bool(_followed(caplog)), 5.0)
-        old_calls = _script_calls(topology.servers[old])
-        store.register(RunSpec("s", "after", "after"))
-        assert _script_calls(topology.servers[old]) == old_calls, "the write went to the old primary"
-        assert _waiters_on(topology.servers[new], namespace, "after") == ["after"]
-    finally:
-        announcements.close()
-        store.close()
-        if old is not None:
-            topology.wait_failover_done(old)
-
-
 def _subscribers(sentinel: RedisProcess) -> int:
     return len(sentinel.client.execute_command("CLIENT", "LIST", "TYPE", "pubsub").splitlines())
 
 
-def test_a_store_dropped_by_its_sentinel_listens_to_another_and_stops_at_close(
-    topology: Topology, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("dropped", [False, True], ids=["listening", "its-sentinel-dropped-it"])
+def test_the_first_write_after_the_announcement_reaches_the_new_primary(
+    topology: Topology, caplog: pytest.LogCaptureFixture, dropped: bool
 ) -> None:
-    """The store listens for failovers on one sentinel; when that one drops the connection it
-    listens to another, and still follows the next failover. Closed, it listens to none."""
+    """This thread's connection, pinned to the primary, is not reused once the sentinels have
+    announced another: the write after that is made on the new primary, none on the old one (which
+    accepts writes, and loses them, until Sentinel turns it into a replica ~10 s later). The store
+    listens on one sentinel; dropped by it, it listens to another. Closed, it listens to none."""
     caplog.set_level(logging.INFO, logger="singleton_tasks")
     namespace = _namespace()
     store = store_from_url(SENTINEL_URL, namespace=namespace)
     old = None
     try:
         store.migrate()
-        store.register(RunSpec("s", "before", "before"))  # the first use starts the listener
-        wait_for(lambda: sum(map(_subscribers, topology.sentinels)) == 1, "the store to subscribe")
-        [first] = [s for s in topology.sentinels if _subscribers(s)]
-        first.client.execute_command("CLIENT", "KILL", "TYPE", "pubsub")
-        wait_for(
-            lambda: any(_subscribers(s) for s in topology.sentinels if s is not first),
-            "the store to subscribe on another sentinel",
-        )
-        announcements = Announcements(topology.sentinels)
-        try:
-            old, _ = topology.failover()
-            _announced_at, new = announcements.wait_all(len(topology.sentinels))
-        finally:
-            announcements.close()
-        _until(lambda: bool(_followed(caplog)), 5.0)
-        old_calls = _script_calls(topology.servers[old])
-        store.register(RunSpec("s", "after", "after"))
-        assert _script_calls(topology.servers[old]) == old_calls, "the write went to the old primary"
-        assert _waiters_on(topology.servers[new], namespace, "after") == ["after"]
+        store.register(RunSpec("s", "before", "before"))  # this thread's connection: on the primary
+        if dropped:
+            wait_for(lambda: sum(map(_subscribers, topology.sentinels)) == 1, "the store to subscribe")
+            [first] = [s for s in topology.sentinels if _subscribers(s)]
+            first.client.execute_command("CLIENT", "KILL", "TYPE", "pubsub")
+            wait_for(
+                lambda: any(_subscribers(s) for s in topology.sentinels if s is not first),
+                "the store to subscribe on another sentinel",
+            )
+        old = _fail_over_and_write_once(topology, store, namespace, caplog)
     finally:
         store.close()
         if old is not None:
             topology.wait_failover_done(old)
     wait_for(lambda: sum(map(_subscribers, topology.sentinels)) == 0, "the closed store to unsubscribe")
+
+
+def _fail_over_and_write_once(
+    topology: Topology, store: Store, namespace: str, caplog: pytest.LogCaptureFixture
+) -> int:
+    """``SENTINEL FAILOVER``; once every sentinel has announced the new primary, one write: it must
+    be made on the new primary, none on the old one. Returns the old primary's port."""
+    announcements = Announcements(topology.sentinels)
+    try:
+        old, _ = topology.failover()
+        _announced_at, new = announcements.wait_all(len(topology.sentinels))
+    finally:
+        announcements.close()
+    # The store hears the announcement on a thread of its own: let it (the assertions decide).
+    _until(lambda: bool(_followed(caplog)), 5.0)
+    old_calls = _script_calls(topology.servers[old])
+    store.register(RunSpec("s", "after", "after"))
+    assert _script_calls(topology.servers[old]) == old_calls, "the write went to the old primary"
+    assert _waiters_on(topology.servers[new], namespace, "after") == ["after"]
+    return old
 
 
 def test_a_forked_child_listens_for_failovers_of_its_own(topology: Topology) -> None:
