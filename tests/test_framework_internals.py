@@ -374,3 +374,25 @@ def test_redis_py_a_pinned_connection_takes_packed_commands_and_reconnects_by_co
     assert sentinel_connection.connect is not redis.connection.Connection.connect
     packed_send = inspect.getsource(redis.connection.Connection.send_packed_command)
     assert "self.connect()" not in packed_send, "redis-py reconnects by connect() now: reason 2 is gone"
+
+
+# -- redis-py's Sentinel client (singleton_tasks/stores/redis_sentinel.py) ----------------------------
+def test_redis_py_sentinel_asks_its_list_in_order_and_its_pool_knows_the_primary() -> None:
+    """The Sentinel store puts the sentinel that announced a failover first in
+    ``Sentinel.sentinels`` (``discover_master`` asks that list in order, and moves the one that
+    answered to the front itself), reads the pool's ``master_address`` (the primary its
+    connections were last made to), and disconnects the pool's idle connections with
+    ``disconnect(inuse_connections=False)``."""
+    sentinel = redis.sentinel.Sentinel([("127.0.0.1", 1), ("127.0.0.1", 2)])
+    try:
+        assert isinstance(sentinel.sentinels, list)
+        assert all(isinstance(client, redis.Redis) for client in sentinel.sentinels)
+        discover = inspect.getsource(redis.sentinel.Sentinel.discover_master)
+        assert "enumerate(self.sentinels)" in discover
+        assert "self.sentinels[0], self.sentinels[sentinel_no]" in discover
+        pool = sentinel.master_for("mymaster").connection_pool
+        assert isinstance(pool, redis.sentinel.SentinelConnectionPool)
+        assert pool.master_address is None  # no connection made yet
+        assert "inuse_connections" in inspect.signature(pool.disconnect).parameters
+    finally:
+        sentinel.close()

@@ -403,6 +403,9 @@ class RedisStore(Store):
         self._ns_colon = self._ns + b":"
         self._busy_key = self._ns_colon + b"busy"
         self._threads = threading.local()
+        # Raised when the pinned connections must connect again (the Sentinel store: a failover);
+        # each thread compares it with its connection's before every call.
+        self._primary_generation = 0
 
     def _connect(self, url: str, redis_options: dict[str, Any]) -> redis.Redis:
         """The client for ``url`` (the cluster store makes a cluster client here)."""
@@ -548,12 +551,26 @@ class RedisStore(Store):
     def _eval(self, name: str, numkeys: int, *keys_and_args: bytes | str) -> Any:
         """One FCALL, or one EVALSHA where the server has no functions for us; with
         ``wait_replicas``, a writing operation's WAIT rides in the same round trip."""
+        generation = self._primary_generation  # read before the call picks its connection
         wait = None if name == "snapshot" else self._wait
         if wait is None:
-            return self._call(name, numkeys, keys_and_args, None)
+            reply = self._call(name, numkeys, keys_and_args, None)
+            if self._primary_generation != generation:
+                self._primary_changed_during_call()
+            return reply
         reply, acknowledged = self._call(name, numkeys, keys_and_args, wait)
+        if self._primary_generation != generation:
+            self._primary_changed_during_call()
         self._check_acknowledged(int(acknowledged))
         return reply
+
+    def _primary_changed_during_call(self) -> NoReturn:
+        """A call answered after the store heard of a failover may have been answered by the old
+        primary, which loses what it took: it fails closed rather than report that success."""
+        raise StoreUnavailableError(
+            f"{self!r}: the sentinels announced a new primary while this call was made; it may "
+            "have been applied on the old primary only, and lost with it"
+        )
 
     def _call(
         self, name: str, numkeys: int, keys_and_args: Sequence[bytes | str], wait: Sequence[bytes] | None
@@ -619,14 +636,34 @@ class RedisStore(Store):
         one more system call per operation; in a worker of many threads each is a GIL hand-off
         (the no-op benchmark: ~25 % less worker CPU per run with pinned connections). The
         connection goes back to the pool when the thread's client is collected, and a forked
-        child makes its own.
+        child makes its own. When ``_primary_generation`` has moved on (the Sentinel store heard
+        of a failover), the thread connects again before its call: one integer compare per call.
         """
         threads = self._threads
         client: redis.Redis | None = getattr(threads, "client", None)
-        if client is None or threads.pid != os.getpid():
+        if client is None or threads.pid != os.getpid() or threads.generation != self._primary_generation:
+            client = self._pin_connection(client)
+        return client
+
+    def _pin_connection(self, client: redis.Redis | None) -> redis.Redis:
+        """This thread's client made (its first call, or the first in a forked child), or its
+        connection made again after a failover: this thread's own, idle between its calls."""
+        threads = self._threads
+        generation = self._primary_generation  # before connecting: a later failover is seen next call
+        if client is not None and threads.pid == os.getpid():
+            connection = client.connection
+            assert connection is not None  # a single-connection client
+            try:
+                connection.disconnect()  # type: ignore[no-untyped-call]
+                # connect() asks the sentinels; a command's own reconnect would go back to the old host.
+                connection.connect()  # type: ignore[no-untyped-call]
+            except redis.exceptions.RedisError as error:
+                self._fail(error)
+        else:
             self._check_server_once()
             client = redis.Redis(connection_pool=self._client.connection_pool, single_connection_client=True)
             threads.client, threads.pid = client, os.getpid()
+        threads.generation = generation
         return client
 
     def _key_op(self, name: str, scope: str, key: str, run_id: str, *args: bytes) -> Any:
@@ -686,10 +723,13 @@ class RedisStore(Store):
         """
         if len(runs) < 2:
             return super().confirm_many(runs)
+        generation = self._primary_generation  # before the connection is chosen: see _eval
         try:
             confirmed = self._confirm_batch(self._thread_client(), runs)
         except redis.exceptions.RedisError as error:
             self._fail(error)
+        if self._primary_generation != generation:
+            self._primary_changed_during_call()
         return super().confirm_many(runs) if confirmed is None else confirmed
 
     def _confirm_batch(self, client: redis.Redis, runs: Sequence[tuple[str, str, str]]) -> list[bool] | None:

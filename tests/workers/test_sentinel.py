@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
+import os
+import threading
 import time
 import uuid
 from collections import Counter
@@ -24,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from dramatiq_app import AppConfig
 from redis_servers import RedisProcess, replica_in_sync, wait_for
 from test_dramatiq_workers import App
@@ -31,6 +35,7 @@ from worker_env import BROKERS, LOG_URL, fresh_namespace
 
 from singleton_tasks import StoreUnavailableError, store_from_url
 from singleton_tasks.outcomes import Decision, RunSpec
+from singleton_tasks.stores.base import Store
 
 pytestmark = pytest.mark.sentinel
 
@@ -163,6 +168,231 @@ def test_a_new_primary_without_the_function_library_gets_it(topology: Topology) 
         topology.servers[topology.primary_port()].client.function_flush()
         assert store.claim(RunSpec("s", "k", "r1"), 0, None).decision is Decision.ADMITTED
     finally:
+        store.close()
+
+
+class Announcements:
+    """``+switch-master`` of the service as each sentinel publishes it: (time, sentinel port, new
+    primary port), heard by a subscription of the test's own to every sentinel."""
+
+    def __init__(self, sentinels: list[RedisProcess]) -> None:
+        self.heard: list[tuple[float, int, int]] = []
+        self._stop = threading.Event()
+        self._threads = []
+        for sentinel in sentinels:
+            pubsub = redis.Redis(host="127.0.0.1", port=sentinel.port).pubsub(ignore_subscribe_messages=True)
+            pubsub.subscribe("+switch-master")
+            pubsub.get_message(timeout=5)  # the subscription confirmed before any failover
+            thread = threading.Thread(target=self._listen, args=(sentinel.port, pubsub), daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def _listen(self, port: int, pubsub: Any) -> None:
+        try:
+            while not self._stop.is_set():
+                message = pubsub.get_message(timeout=0.2)
+                if message is not None:
+                    name, _old_host, _old_port, _new_host, new_port = message["data"].decode().split()
+                    if name == SERVICE:
+                        self.heard.append((time.time(), port, int(new_port)))
+        finally:
+            pubsub.close()
+
+    def wait_all(self, count: int) -> tuple[float, int]:
+        """Until ``count`` sentinels have announced the switch: when the first did, and the new port."""
+        wait_for(lambda: len(self.heard) >= count, "every sentinel to announce the new primary", 30)
+        first_at, _sentinel, new_port = min(self.heard)
+        return first_at, new_port
+
+    def close(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join()
+
+
+def _script_calls(server: RedisProcess) -> int:
+    """The store's operations a server has run (FCALL, or EVALSHA without functions)."""
+    stats = server.client.info("commandstats")
+    return sum(int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in ("fcall", "evalsha"))
+
+
+def _waiters_on(server: RedisProcess, namespace: str, key: str) -> list[str]:
+    """The runs queued for ``key`` as that server has them."""
+    store = store_from_url(server.url, namespace=namespace)
+    try:
+        return [w.run_id for snap in store.snapshot(scope="s", key=key) for w in snap.waiters]
+    finally:
+        store.close()
+
+
+def _until(condition: Callable[[], bool], timeout: float) -> bool:
+    """Wait for ``condition`` at most ``timeout`` seconds; whether it held (the caller decides)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _followed(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if "moving its connections to the new primary" in r.getMessage()]
+
+
+def _subscribers(sentinel: RedisProcess) -> int:
+    return len(sentinel.client.execute_command("CLIENT", "LIST", "TYPE", "pubsub").splitlines())
+
+
+@pytest.mark.parametrize("dropped", [False, True], ids=["listening", "its-sentinel-dropped-it"])
+def test_the_first_write_after_the_announcement_reaches_the_new_primary(
+    topology: Topology, caplog: pytest.LogCaptureFixture, dropped: bool
+) -> None:
+    """This thread's connection, pinned to the primary, is not reused once the sentinels have
+    announced another: the write after that is made on the new primary, none on the old one (which
+    accepts writes, and loses them, until Sentinel turns it into a replica ~10 s later). The store
+    listens on one sentinel; dropped by it, it listens to another. Closed, it listens to none."""
+    caplog.set_level(logging.INFO, logger="singleton_tasks")
+    namespace = _namespace()
+    store = store_from_url(SENTINEL_URL, namespace=namespace)
+    old = None
+    try:
+        store.migrate()
+        store.register(RunSpec("s", "before", "before"))  # this thread's connection: on the primary
+        if dropped:
+            wait_for(lambda: sum(map(_subscribers, topology.sentinels)) == 1, "the store to subscribe")
+            [first] = [s for s in topology.sentinels if _subscribers(s)]
+            first.client.execute_command("CLIENT", "KILL", "TYPE", "pubsub")
+            wait_for(
+                lambda: any(_subscribers(s) for s in topology.sentinels if s is not first),
+                "the store to subscribe on another sentinel",
+            )
+        old = _fail_over_and_write_once(topology, store, namespace, caplog)
+    finally:
+        store.close()
+        if old is not None:
+            topology.wait_failover_done(old)
+    wait_for(lambda: sum(map(_subscribers, topology.sentinels)) == 0, "the closed store to unsubscribe")
+
+
+def _fail_over_and_write_once(
+    topology: Topology, store: Store, namespace: str, caplog: pytest.LogCaptureFixture
+) -> int:
+    """``SENTINEL FAILOVER``; once every sentinel has announced the new primary, one write: it must
+    be made on the new primary, none on the old one. Returns the old primary's port."""
+    announcements = Announcements(topology.sentinels)
+    try:
+        old, _ = topology.failover()
+        _announced_at, new = announcements.wait_all(len(topology.sentinels))
+    finally:
+        announcements.close()
+    # The store hears the announcement on a thread of its own: let it (the assertions decide).
+    _until(lambda: bool(_followed(caplog)), 5.0)
+    old_calls = _script_calls(topology.servers[old])
+    store.register(RunSpec("s", "after", "after"))
+    assert _script_calls(topology.servers[old]) == old_calls, "the write went to the old primary"
+    assert _waiters_on(topology.servers[new], namespace, "after") == ["after"]
+    return old
+
+
+def test_a_forked_child_listens_for_failovers_of_its_own(topology: Topology) -> None:
+    """A thread does not survive fork: the child's first operation starts its own listener."""
+    store = store_from_url(SENTINEL_URL, namespace=_namespace())
+    try:
+        store.migrate()
+        store.register(RunSpec("s", "parent", "parent"))
+        wait_for(lambda: sum(map(_subscribers, topology.sentinels)) == 1, "the parent to subscribe")
+        child_used, parent_saw = os.pipe(), os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: one operation, then wait for the parent to look
+            code = 1
+            try:
+                store.register(RunSpec("s", "child", "child"))
+                os.write(child_used[1], b"x")
+                os.read(parent_saw[0], 1)
+                code = 0
+            finally:
+                os._exit(code)
+        try:
+            assert os.read(child_used[0], 1) == b"x"
+            wait_for(lambda: sum(map(_subscribers, topology.sentinels)) == 2, "the child to subscribe")
+        finally:
+            os.write(parent_saw[1], b"x")
+            _pid, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        store.close()
+
+
+def test_writes_acknowledged_through_a_failover(
+    topology: Topology, caplog: pytest.LogCaptureFixture, record_property: Callable[[str, object], None]
+) -> None:
+    """Registrations written without pause through a ``SENTINEL FAILOVER`` (no ``wait_replicas``):
+    those the old primary acknowledged after the new one was promoted are lost. Reports how many,
+    and when the writes reached the new primary, counted from the first sentinel's announcement;
+    asserts that once the store has followed, the old primary acknowledges nothing more."""
+    caplog.set_level(logging.INFO, logger="singleton_tasks")
+    namespace = _namespace()
+    store = store_from_url(SENTINEL_URL, namespace=namespace)
+    announcements = Announcements(topology.sentinels)
+    acknowledged: list[tuple[str, float, int]] = []  # run id, when, the port of the server that took it
+    failed = 0
+    stop = threading.Event()
+
+    def write() -> None:
+        nonlocal failed
+        for i in itertools.count():
+            if stop.is_set():
+                return
+            try:
+                store.register(RunSpec("s", f"k{i}", f"r{i}"))
+            except StoreUnavailableError:
+                failed += 1
+                time.sleep(0.01)
+                continue
+            # The connection that made the call (a test-only look at the store's internals).
+            acknowledged.append((f"r{i}", time.time(), store._thread_client().connection.port))  # type: ignore[attr-defined]
+
+    writer = threading.Thread(target=write)
+    try:
+        store.migrate()
+        writer.start()
+        wait_for(lambda: len(acknowledged) > 100, "writes under way")
+        old, failover_at = topology.failover()
+        announced_at, new = announcements.wait_all(len(topology.sentinels))
+        demoted_at = topology.wait_failover_done(old)
+        stop.set()
+        writer.join()
+        on_new = {w.run_id for snap in store.snapshot(scope="s") for w in (*snap.holders, *snap.waiters)}
+        lost = [(run, at, port) for run, at, port in acknowledged if run not in on_new]
+        first_on_new = min(at for _run, at, port in acknowledged if port == new)
+        last_on_old = max(at for _run, at, port in acknowledged if port == old)
+        followed = _followed(caplog)
+        figures = {
+            "announced_s": round(announced_at - failover_at, 2),  # from the SENTINEL FAILOVER
+            "announcements_spread_s": round(max(a for a, _s, _p in announcements.heard) - announced_at, 2),
+            "demoted_s": round(demoted_at - failover_at, 2),
+            # from the first announcement:
+            "followed_s": round(followed[0].created - announced_at, 3) if followed else None,
+            "first_on_new_s": round(first_on_new - announced_at, 3),
+            "last_on_old_s": round(last_on_old - announced_at, 3),
+            "acknowledged": len(acknowledged),
+            "failed": failed,
+            "lost": len(lost),
+            "lost_after_announcement": sum(at > announced_at for _r, at, _p in lost),
+            "lost_span_s": round(max(at for _r, at, _p in lost) - min(at for _r, at, _p in lost), 3)
+            if lost
+            else 0,
+        }
+        record_property("failover_writes", json.dumps(figures))
+        print(f"\nwrites through a sentinel failover: {figures}")
+        assert all(port == old for _run, _at, port in lost), "the new primary lost a write it acknowledged"
+        assert followed, "the store did not report following the failover"
+        assert last_on_old <= followed[0].created, figures
+    finally:
+        stop.set()
+        if writer.is_alive():
+            writer.join()
+        announcements.close()
         store.close()
 
 
