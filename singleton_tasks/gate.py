@@ -631,19 +631,28 @@ def release(
     token: int | None,
     generation: int | None,
     timings: Timings,
+    waiting_only: bool = False,
 ) -> ReleaseOutcome:
     """Settle a run: free its slot (or its place in line) and name the waiters to wake.
 
     ``token=None`` settles whatever the run is (a waiter revoked, an operator release);
     with a token, a holder whose slot now has another owner is reported ``lost``.
+    ``waiting_only``: settle the run only while it holds no slot. A discarded copy's run was
+    gated when the copy claimed; another copy of it may have been admitted since, and its slot
+    is not the discarded copy's to free (it settles where it runs).
     """
     now = tx.now()
     meta = _meta(tx, now)
     done = _housekeep(tx, now, timings, keep=run_id)
     evicted, removed = tuple(done.evicted), tuple(done.removed)
     run = tx.get_run(run_id)
-    if run is None or (token is not None and (run.state is not RunState.HOLDING or run.token != token)):
-        # Settled already (idempotent: async interrupts settle twice) or taken from us.
+    if (
+        run is None
+        or (token is not None and (run.state is not RunState.HOLDING or run.token != token))
+        or (waiting_only and run.state is RunState.HOLDING)
+    ):
+        # Settled already (idempotent: async interrupts settle twice), taken from us, or (only
+        # a waiter to settle) admitted meanwhile by another copy.
         lost = token is not None and (run is not None or tx.settled_generation(run_id, now) is None)
         wakes = _wakes(tx, meta, scope, key, now, skip=None)
         _finish(tx, meta, now, timings)

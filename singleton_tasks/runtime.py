@@ -405,11 +405,20 @@ class Gatekeeper:
             )
 
     def release(
-        self, task_name: str, spec: RunSpec, *, token: int | None, generation: int | None = None
+        self,
+        task_name: str,
+        spec: RunSpec,
+        *,
+        token: int | None,
+        generation: int | None = None,
+        waiting_only: bool = False,
     ) -> ReleaseOutcome:
         """Settle: free the slot or the place in line; the caller publishes ``wakes``."""
-        self.heartbeats.untrack(spec.run_id)
-        outcome = self.store.release(spec.scope, spec.key, spec.run_id, token=token, generation=generation)
+        if not waiting_only:  # a waiter's settlement leaves a copy running here to its own
+            self.heartbeats.untrack(spec.run_id)
+        outcome = self.store.release(
+            spec.scope, spec.key, spec.run_id, token=token, generation=generation, waiting_only=waiting_only
+        )
         self._log_housekeeping(outcome.evicted, outcome.removed, spec)
         metrics.observe_release(task_name, outcome)
         metrics.observe_woken(task_name, len(outcome.wakes))
@@ -486,12 +495,14 @@ class Gatekeeper:
         outcome = self.claim(task_name, spec, generation, None)
         publish_wakes(outcome.wakes)
         if outcome.decision is Decision.ADMITTED:
-            token: int | None = outcome.token
+            settled = self.release(task_name, spec, token=outcome.token)
         elif outcome.decision is Decision.GATED:
-            token = None
+            # Gated now; another copy of the run may be admitted before this settles it: only
+            # a waiter is settled (a holder settles where it runs).
+            settled = self.release(task_name, spec, token=None, waiting_only=True)
         else:
             return outcome.decision
-        publish_wakes(self.release(task_name, spec, token=token).wakes)
+        publish_wakes(settled.wakes)
         return outcome.decision
 
     def close(self) -> None:

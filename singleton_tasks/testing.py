@@ -631,6 +631,24 @@ class _HandoffRules(_Contract):
         stale(store, w, busy.generation, T0 + 21)
         assert holders(store, T0 + 21) == ["w"]
 
+    def test_a_waiting_only_settlement_leaves_a_holder_alone(self, make_store: StoreFactory) -> None:
+        # A discarded copy (revoked, expired) of a gated run settles it with waiting_only: if
+        # another copy of the run was admitted in between, its slot is not the discarded one's.
+        store = make_store()
+        h, w = spec("h"), spec("w")
+        token = admitted(store, h, 0, T0)
+        gated(store, w, 0, T0 + 1, b"w", position=1)
+        wake = the_wake(at(store, T0 + 2).release(SCOPE, KEY, "h", token=token).wakes, "w")
+        admitted(store, w, wake.generation, T0 + 3)
+        kept = at(store, T0 + 4).release(SCOPE, KEY, "w", token=None, waiting_only=True)
+        assert not kept.released and not kept.lost
+        assert holders(store, T0 + 4) == ["w"]
+        # A run still waiting is settled as by any release without a token.
+        gated(store, spec("x"), 0, T0 + 5, position=1)
+        settled = at(store, T0 + 6).release(SCOPE, KEY, "x", token=None, waiting_only=True)
+        assert settled.released and waiters(store, T0 + 6) == []
+        stale(store, spec("x"), 0, T0 + 7)
+
     def test_revoked_waiter_copies_are_stale(self, make_store: StoreFactory) -> None:
         store = make_store()
         admitted(store, spec("h"), 0, T0)

@@ -376,20 +376,37 @@ class Model:
         return sorted(lost)
 
     def release(
-        self, key: str, run_id: str, token: int | None, generation: int | None, now: float
+        self,
+        key: str,
+        run_id: str,
+        token: int | None,
+        generation: int | None,
+        now: float,
+        waiting_only: bool = False,
     ) -> ReleaseOutcome:
         k = self.key(key, now)
         try:
-            return self._release(k, key, run_id, token, generation, now)
+            return self._release(k, key, run_id, token, generation, now, waiting_only)
         finally:
             self.finish(k, now)
 
     def _release(
-        self, k: MKey, key: str, run_id: str, token: int | None, generation: int | None, now: float
+        self,
+        k: MKey,
+        key: str,
+        run_id: str,
+        token: int | None,
+        generation: int | None,
+        now: float,
+        waiting_only: bool = False,
     ) -> ReleaseOutcome:
         evicted, removed = self.housekeep(k, now, run_id)
         run = k.find(run_id)
-        if run is None or (token is not None and (run.state is not RunState.HOLDING or run.token != token)):
+        if (
+            run is None
+            or (token is not None and (run.state is not RunState.HOLDING or run.token != token))
+            or (waiting_only and run.state is RunState.HOLDING)
+        ):
             lost = token is not None and (run is not None or k.marker(run_id, now) is None)
             wakes = self.wakes(key, k, now, None)
             return ReleaseOutcome(
@@ -609,9 +626,19 @@ class GateMachine(RuleBasedStateMachine):
         token = data.draw(st.sampled_from([*tokens[-1:] * 3, None, *tokens, BOGUS]), label="token")
         generations = sorted(self.generations.get((key, run_id), set()) | {0})
         generation = data.draw(st.one_of(st.none(), st.sampled_from(generations)), label="generation")
-        got = normal_release(self.at().release(self.scope, key, run_id, token=token, generation=generation))
-        expected = self.model.release(key, run_id, token, generation, self.now)
-        self.agree(f"release {run_id} token={token} generation={generation}", got, expected)
+        # A discarded copy's settlement (token None) leaves a run that holds a slot alone.
+        waiting_only = token is None and data.draw(st.booleans(), label="waiting_only")
+        got = normal_release(
+            self.at().release(
+                self.scope, key, run_id, token=token, generation=generation, waiting_only=waiting_only
+            )
+        )
+        expected = self.model.release(key, run_id, token, generation, self.now, waiting_only)
+        self.agree(
+            f"release {run_id} token={token} generation={generation} waiting_only={waiting_only}",
+            got,
+            expected,
+        )
         event(f"release released={got.released} lost={got.lost}")
         self.learn(key, run_id, got)
 
@@ -626,6 +653,17 @@ class GateMachine(RuleBasedStateMachine):
         expected = self.model.release(key, run_id, token, None, self.now)
         self.agree(f"settle {run_id} token={token}", got, expected)
         event(f"settle released={got.released}")
+        self.learn(key, run_id, got)
+
+    @precondition(lambda self: any(k.holders() for k in self.model.keys.values()))
+    @rule(data=st.data())
+    def settle_a_discarded_copy(self, data: st.DataObject) -> None:
+        """A revoked copy of a run settles it as a waiter, after another copy of it was admitted."""
+        held = [(key, h.run_id) for key, k in sorted(self.model.keys.items()) for h in k.holders()]
+        key, run_id = data.draw(st.sampled_from(held), label="holder")
+        got = normal_release(self.at().release(self.scope, key, run_id, token=None, waiting_only=True))
+        expected = self.model.release(key, run_id, None, None, self.now, waiting_only=True)
+        self.agree(f"settle a discarded copy of {run_id}", got, expected)
         self.learn(key, run_id, got)
 
     @rule(key=key_names, number=run_numbers)

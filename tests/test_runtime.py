@@ -20,7 +20,7 @@ from singleton_tasks import (
     store_from_url,
 )
 from singleton_tasks.config import BoundSingleton
-from singleton_tasks.outcomes import HolderRef, RunSpec
+from singleton_tasks.outcomes import Decision, HolderRef, RunSpec
 from singleton_tasks.runtime import Gatekeeper, WorkerOptions
 from singleton_tasks.stores._sql import SQLStore
 from singleton_tasks.stores.memory import MemoryStore
@@ -204,3 +204,28 @@ def test_the_heartbeat_thread_sweeps_one_slice_per_step(
     assert _sql_rows(path) == 6  # swept through: the next sweep waits for SWEEP_INTERVAL
     gatekeeper.close()
     store.close()
+
+
+def test_a_discarded_copy_never_frees_a_slot_another_copy_took_meanwhile() -> None:
+    """A revoked waiter's discarded copy claims (gated: its run waits), then settles the run. If in
+    between its holder releases and another copy of the run is admitted on another worker (one
+    that had not got the revoke yet), that settlement must leave the new holder's slot alone:
+    freeing it would let a second run of the key start beside a running body."""
+    gatekeeper = Gatekeeper(store_from_url(memory()))
+    store = gatekeeper.store
+    h, w, later = RunSpec("s", "k", "h"), RunSpec("s", "k", "w"), RunSpec("s", "k", "later")
+    h_token = store.claim(h, 0, None).token
+    store.claim(w, 0, b"w")  # gated: w's copy 0 stays live, its deferred copy is in the broker
+    interleaved = []
+
+    def publish_wakes(wakes: Sequence[object]) -> None:
+        if not interleaved:  # between the discarded copy's claim and its settlement
+            wake = store.release("s", "k", "h", token=h_token).wakes[0]
+            interleaved.append(store.claim(w, wake.generation, None).decision)  # another worker
+
+    decision = gatekeeper.settle_unrun_copy("tasks.t", w, 0, publish_wakes)
+    assert decision is Decision.GATED and interleaved == [Decision.ADMITTED]
+    [snap] = store.snapshot()
+    assert [holder.run_id for holder in snap.holders] == ["w"]  # still holds its slot
+    assert store.claim(later, 0, None).decision is Decision.GATED
+    gatekeeper.close()

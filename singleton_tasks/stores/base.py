@@ -196,8 +196,10 @@ class Store(abc.ABC):
         *,
         token: int | None,
         generation: int | None = None,
+        waiting_only: bool = False,
     ) -> ReleaseOutcome:
-        """Settle a run and name the waiters to wake."""
+        """Settle a run and name the waiters to wake (``waiting_only``: only while it holds no
+        slot, :func:`singleton_tasks.gate.release`)."""
 
     @abc.abstractmethod
     def heartbeat(self, holders: Sequence[HolderRef]) -> HeartbeatOutcome:
@@ -293,10 +295,18 @@ class RuleStore(Store):
         *,
         token: int | None,
         generation: int | None = None,
+        waiting_only: bool = False,
     ) -> ReleaseOutcome:
         with self.transaction(scope, key) as tx:
             return gate.release(
-                tx, scope, key, run_id, token=token, generation=generation, timings=self.timings
+                tx,
+                scope,
+                key,
+                run_id,
+                token=token,
+                generation=generation,
+                timings=self.timings,
+                waiting_only=waiting_only,
             )
 
     def heartbeat(self, holders: Sequence[HolderRef]) -> HeartbeatOutcome:

@@ -792,9 +792,16 @@ class RedisStore(Store):
         *,
         token: int | None,
         generation: int | None = None,
+        waiting_only: bool = False,
     ) -> ReleaseOutcome:
         released, lost, wakes, evicted, removed = self._key_op(
-            "release", scope, key, run_id, _opt_int(token), _opt_int(generation)
+            "release",
+            scope,
+            key,
+            run_id,
+            _opt_int(token),
+            _opt_int(generation),
+            b"1" if waiting_only else b"0",
         )
         return ReleaseOutcome(
             released=bool(released),

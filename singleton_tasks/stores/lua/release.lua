@@ -3,6 +3,7 @@
 --
 -- KEYS, ARGV[1..6]: the per-key layout of lib.lua
 -- ARGV[7] token ('' = None: settle whatever the run is)   ARGV[8] generation ('' = None)
+-- ARGV[9] '1': settle the run only while it holds no slot (gate.release's waiting_only)
 -- Returns {released 1/0, lost 1/0, wakes, evicted, removed}: wakes a list of
 -- {run_id, generation, payload or false}; evicted and removed lists of run ids.
 
@@ -11,11 +12,12 @@ local run_id = ARGV[3]
 local now = K.now
 local token = opt_number(ARGV[7])
 local generation = opt_number(ARGV[8])
+local waiting_only = ARGV[9] == '1'
 
 local meta = load_meta(K.now) or default_meta()
 housekeep(now, run_id)
 local run = load_brief(run_id)
-if run == nil and token == nil and (zrem(K.holders, run_id) + zrem(K.waiters, run_id)) > 0 then
+if run == nil and token == nil and not waiting_only and (zrem(K.holders, run_id) + zrem(K.waiters, run_id)) > 0 then
   -- A phantom (its data lost by the server) released by an operator: gone from the indexes.
   redis.call('ZREM', K.overdue, run_id)
   mark_settled(run_id, generation or -1, now + K.retention)
@@ -23,8 +25,10 @@ if run == nil and token == nil and (zrem(K.holders, run_id) + zrem(K.waiters, ru
   finish(meta)
   return { 1, 0, woken, EVICTED, REMOVED }
 end
-if run == nil or (token ~= nil and (run.state ~= 'holding' or run.token ~= token)) then
-  -- Settled already (idempotent: async interrupts settle twice) or taken from us.
+if run == nil or (token ~= nil and (run.state ~= 'holding' or run.token ~= token))
+    or (waiting_only and run.state == 'holding') then
+  -- Settled already (idempotent: async interrupts settle twice), taken from us, or (only a
+  -- waiter to settle) admitted meanwhile by another copy.
   local lost = token ~= nil and (run ~= nil or settled_generation(run_id, now) == nil)
   local woken = wakes(meta, now, nil)
   finish(meta)
