@@ -386,40 +386,28 @@ class Model:
     ) -> ReleaseOutcome:
         k = self.key(key, now)
         try:
-            return self._release(k, key, run_id, token, generation, now, waiting_only)
+            evicted, removed = self.housekeep(k, now, run_id)
+            run = k.find(run_id)
+            if (
+                run is None
+                or (token is not None and (run.state is not RunState.HOLDING or run.token != token))
+                or (waiting_only and run.state is RunState.HOLDING)
+            ):
+                lost = token is not None and (run is not None or k.marker(run_id, now) is None)
+                wakes = self.wakes(key, k, now, None)
+                return ReleaseOutcome(
+                    released=False, lost=lost, wakes=tuple(wakes), evicted=evicted, removed=removed
+                )
+            k.remove(run_id)
+            if run.state is RunState.HOLDING:
+                settled = run.holder_gen
+            else:
+                settled = generation if generation is not None else -1
+            k.settled[run_id] = (settled, now + RETENTION)
+            wakes = self.wakes(key, k, now, None)
+            return ReleaseOutcome(released=True, wakes=tuple(wakes), evicted=evicted, removed=removed)
         finally:
             self.finish(k, now)
-
-    def _release(
-        self,
-        k: MKey,
-        key: str,
-        run_id: str,
-        token: int | None,
-        generation: int | None,
-        now: float,
-        waiting_only: bool = False,
-    ) -> ReleaseOutcome:
-        evicted, removed = self.housekeep(k, now, run_id)
-        run = k.find(run_id)
-        if (
-            run is None
-            or (token is not None and (run.state is not RunState.HOLDING or run.token != token))
-            or (waiting_only and run.state is RunState.HOLDING)
-        ):
-            lost = token is not None and (run is not None or k.marker(run_id, now) is None)
-            wakes = self.wakes(key, k, now, None)
-            return ReleaseOutcome(
-                released=False, lost=lost, wakes=tuple(wakes), evicted=evicted, removed=removed
-            )
-        k.remove(run_id)
-        if run.state is RunState.HOLDING:
-            settled = run.holder_gen
-        else:
-            settled = generation if generation is not None else -1
-        k.settled[run_id] = (settled, now + RETENTION)
-        wakes = self.wakes(key, k, now, None)
-        return ReleaseOutcome(released=True, wakes=tuple(wakes), evicted=evicted, removed=removed)
 
     def operator_release(self, run_id: str, now: float) -> ReleaseOutcome | None:
         for key in sorted(self.keys):

@@ -553,14 +553,12 @@ class RedisStore(Store):
         ``wait_replicas``, a writing operation's WAIT rides in the same round trip."""
         generation = self._primary_generation  # read before the call picks its connection
         wait = None if name == "snapshot" else self._wait
-        if wait is None:
-            reply = self._call(name, numkeys, keys_and_args, None)
-            if self._primary_generation != generation:
-                self._primary_changed_during_call()
-            return reply
-        reply, acknowledged = self._call(name, numkeys, keys_and_args, wait)
+        answer = self._call(name, numkeys, keys_and_args, wait)
         if self._primary_generation != generation:
             self._primary_changed_during_call()
+        if wait is None:
+            return answer
+        reply, acknowledged = answer
         self._check_acknowledged(int(acknowledged))
         return reply
 
