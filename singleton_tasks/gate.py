@@ -17,28 +17,40 @@ Names of the three parts that decide a delivery, used the same way across the pa
 Glossary (docs/concepts.md has the user's account of each):
 
 - *holder*: a run that owns one of the key's ``limit`` slots; *waiter*: any other registered run
-  (*pending*: registered, never delivered; *gated*: delivered and deferred; *woken*: gated, and
-  a wake copy of it was published).
+  (*pending*: registered, never delivered; *gated*: delivered and deferred; *woken*: a copy of it
+  was issued for its turn). Every run counts against the backlog cap until it settles.
+- *the line*: the waiters in registration order (``seq``). The first ``limit - holders`` of them
+  *own* the free slots; nobody jumps the line.
+- *unconfirmed*: a registration whose publish is not known to have happened. It holds its place
+  for the registration grace (10 s); unconfirmed after that, its message was never published
+  and the registration is dropped (:func:`_housekeep`).
+- *payload*: the message a run is issued from (stored at registration, replaced by a delivered
+  copy); *issue*: the store gives a waiter a fresh live generation and names it in ``wakes``,
+  the caller publishes the payload.
 - *copy*: one message of a run; every copy the library publishes carries a *generation*, and a
   run's record lists its *live* generations. A delivery of a generation that is not live is a
   *stale copy*: dropped, never run, unless the store issued it in a write it has since lost
   (:func:`issued_in_a_lost_write`): that copy is the run's, and it is live.
-- *wake*: the copy published when a waiter's turn comes (a slot freed ahead of it): its stored
-  payload, live as a new generation (:class:`~singleton_tasks.outcomes.Wake`).
-- *held back*: a message published with a delay (Dramatiq's ``delay``, Celery's ``countdown`` /
-  ``eta``); its registration is *parked* (:func:`park`): it waits gated with its payload, so its
-  turn wakes it even before the delay is up.
+- *wake*: the copy issued when a gated waiter's turn comes (a slot freed ahead of it).
+- *re-issue*: a waiter that owns a free slot and none of whose copies reached the store by its
+  ``reissue_at`` (its orphan timeout plus its re-check delay after it was last seen or issued;
+  after its delay for a run sent with one) is issued again: its copies may be lost (a purged
+  queue, a lost wake). Copies issued twice never run twice: one is admitted, the rest are stale.
+- *abandoned*: a waiter due for a re-issue that no copy reached for the store's ``retention``
+  (its task is gone from every worker, its payload cannot be published): removed, reported in
+  ``removed``. Only settling, the operator and this remove a waiter.
+- *held back*: a message published with a delay by the library (Celery's held-back waiters);
+  its registration is *parked* (:func:`park`): it waits gated, so its turn wakes it at once.
 - *first sight*: a delivery of a run the store does not know (Celery's ``send_task``, a task
   declared only where its workers run, a settled run re-driven): it is registered at its own
   claim.
-- *seen*: a live copy of a run (or its registration) reached the store. A waiter unseen for
-  its orphan timeout plus its longest re-check delay (an unpublished registration: for the
-  registration grace) is *passed over*: it owns no slot and does not count against the backlog
-  cap until it is seen again. Passed over for ``retention`` more, it is *removed*.
-- *ghost*: a registration whose message was never published (the producer died between
-  registering and publishing): unconfirmed, it is passed over after the registration grace.
 - *takeover*: an admission over a holder whose lease lapsed while it was running (its worker
   died or hung): the new holder gets a higher fencing token, the old one loses its slot.
+- *eviction*: a holder whose lease lapsed more than its orphan timeout ago is deleted (its body
+  ran, or runs no more: it is never issued again).
+- *due*: a key's ``due_at`` is the earliest time a call on it has work to do by itself (a
+  re-issue, an eviction with waiters behind it, an unconfirmed owner's expiry); the workers'
+  heartbeat threads call :func:`tick` on due keys, so a key with no traffic still moves.
 - *now*: always the store's clock (:meth:`KeyTransaction.now`), never a worker's.
 - Tokens and generations are drawn from the store's clock in microseconds combined with a
   counter (``max(previous + 1, now in µs)``): tokens keep increasing after a key's state
@@ -58,6 +70,7 @@ from .config import DEFAULT_LEASE, DEFAULT_MAX_RETRY_DELAY, DEFAULT_ORPHAN_TIMEO
 from .outcomes import (
     ClaimOutcome,
     Decision,
+    DueOutcome,
     Registered,
     RegisterOutcome,
     ReleaseOutcome,
@@ -66,10 +79,11 @@ from .outcomes import (
     Wake,
 )
 
-#: An unpublished registration is passed over after this many seconds (a producer died between
-#: registering and publishing: its message never comes).
+#: An unconfirmed registration is dropped after this many seconds: its producer never published
+#: its message (it died between registering and publishing, or the publish failed unreported).
 DEFAULT_REGISTRATION_GRACE = 10.0
-#: How long a store remembers a settled run and an idle key (seconds): one day.
+#: How long a store remembers a settled run and an idle key (seconds): one day. A waiter due for
+#: a re-issue that no copy reached for this long is abandoned.
 DEFAULT_RETENTION = 86_400.0
 
 
@@ -82,6 +96,8 @@ class KeyMeta:
     limit: int = 1
     #: The key has no runs: after this time it is forgotten (None while it has runs).
     idle_until: float | None = None
+    #: From then on a call on the key has work of its own (:func:`tick`); None: nothing due.
+    due_at: float | None = None
 
 
 @dataclass
@@ -95,7 +111,7 @@ class RunRecord:
     confirmed: bool
     generation: int  # highest generation allocated to this run's copies
     live: list[int] = field(default_factory=list)  # generations whose delivery may act
-    payload: bytes | None = None  # the message to publish when woken
+    payload: bytes | None = None  # the message to publish when the run is issued
     token: int = 0
     holder_generation: int = 0
     admitted_at: float = 0.0
@@ -106,7 +122,7 @@ class RunRecord:
     orphan_timeout: float | None = DEFAULT_ORPHAN_TIMEOUT
     recheck: float = DEFAULT_MAX_RETRY_DELAY + DEFAULT_RETRY_JITTER
     seen_at: float = 0.0  # when a live copy (or the registration) last reached the store
-    passed_over_at: float | None = None  # a waiter unseen until then is passed over (None: never)
+    reissue_at: float | None = None  # owning a slot and unseen by then, the run is issued again
 
     def copy(self) -> RunRecord:
         return dataclasses.replace(self, live=list(self.live))
@@ -152,7 +168,7 @@ def decode_run(run_id: str, values: Sequence[Any]) -> RunRecord:
         orphan_timeout,
         recheck,
         seen_at,
-        passed_over_at,
+        reissue_at,
     ) = values
     if isinstance(live, bytes):
         live = live.decode()
@@ -175,7 +191,7 @@ def decode_run(run_id: str, values: Sequence[Any]) -> RunRecord:
         orphan_timeout=_optional_float(orphan_timeout),
         recheck=float(recheck),
         seen_at=float(seen_at),
-        passed_over_at=_optional_float(passed_over_at),
+        reissue_at=_optional_float(reissue_at),
     )
 
 
@@ -195,7 +211,8 @@ class KeyTransaction(abc.ABC):
         """Create or update the key's counters.
 
         With ``meta.idle_until`` set the key has no runs left: the store may delete everything
-        of it after that time (its settled markers expire by then too).
+        of it after that time (its settled markers expire by then too). ``meta.due_at`` must be
+        findable store-wide (:meth:`singleton_tasks.stores.RuleStore.due_keys`).
         """
 
     @abc.abstractmethod
@@ -227,12 +244,8 @@ class KeyTransaction(abc.ABC):
         """How many waiters registered before ``seq``."""
 
     @abc.abstractmethod
-    def count_passed_over(self, now: float) -> int:
-        """How many waiters are passed over at ``now`` (``passed_over_at < now``)."""
-
-    @abc.abstractmethod
-    def passed_over_before(self, before: float) -> list[str]:
-        """Run ids of the waiters with ``passed_over_at < before``."""
+    def unconfirmed_before(self, before: float) -> list[str]:
+        """Run ids of the unconfirmed waiters created before ``before`` (``created_at < before``)."""
 
     @abc.abstractmethod
     def settled_generation(self, run_id: str, now: float) -> int | None:
@@ -251,9 +264,10 @@ class KeyTransaction(abc.ABC):
 class Timings:
     """Store-wide durations of the rules, in seconds."""
 
-    #: An unpublished (unconfirmed) registration is passed over after this.
+    #: An unconfirmed registration is dropped after this.
     registration_grace: float = DEFAULT_REGISTRATION_GRACE
-    #: Settled markers, idle keys and long-passed-over waiters are forgotten after this.
+    #: Settled markers and idle keys are forgotten after this; a waiter due for a re-issue that
+    #: no copy reached for this long is abandoned.
     retention: float = DEFAULT_RETENTION
 
 
@@ -287,6 +301,10 @@ def _next(counter: int, now: float) -> int:
     return max(counter + 1, micros(now))
 
 
+def _earliest(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else min(a, b)
+
+
 def _waiters(tx: KeyTransaction) -> Iterator[RunRecord]:
     after = 0
     while True:
@@ -297,84 +315,119 @@ def _waiters(tx: KeyTransaction) -> Iterator[RunRecord]:
         after = page[-1].seq
 
 
-def _passed_over(run: RunRecord, now: float) -> bool:
-    """A waiter none of whose copies has shown up for too long (docs/concepts.md#passed-over-waiters)."""
-    return run.passed_over_at is not None and run.passed_over_at < now
+def _reissue_at(run: RunRecord, now: float, delay: float = 0.0) -> float | None:
+    """When the run, owning a slot with no copy of it seen meanwhile, is issued again."""
+    return None if run.orphan_timeout is None else now + delay + run.orphan_timeout + run.recheck
 
 
-def _seen(run: RunRecord, now: float, timings: Timings) -> None:
-    """A live copy of the run (or its registration) reached the store: it is not gone."""
+def _seen(run: RunRecord, now: float, delay: float = 0.0) -> None:
+    """A live copy of the run (or its registration) reached the store: it is not lost.
+
+    A run sent with a delay is not expected before its delay is up.
+    """
     run.seen_at = now
-    if not run.confirmed:
-        run.passed_over_at = now + timings.registration_grace  # its message may never come
-    elif run.orphan_timeout is None:
-        run.passed_over_at = None
-    else:
-        run.passed_over_at = now + run.orphan_timeout + run.recheck
+    run.reissue_at = _reissue_at(run, now, delay)
 
 
-def _slot_owners(tx: KeyTransaction, free: int, now: float) -> list[RunRecord]:
-    """The first ``free`` waiters in order that are not passed over: they own the free slots."""
-    owners: list[RunRecord] = []
-    if free <= 0:
-        return owners
-    for run in _waiters(tx):
-        if not _passed_over(run, now):
-            owners.append(run)
-            if len(owners) == free:
-                break
-    return owners
+def _issue(run: RunRecord, now: float, scope: str, key: str) -> Wake:
+    """Give a waiter a fresh live generation, to be published from its payload.
+
+    Every copy in flight stays live beside it: the last deferred one may never have been
+    published (its claim's answer was lost, or its publish failed and the delivery was
+    re-published as it was), and a producer's copy may still be queued. Admission leaves one
+    live copy, so the run still runs once.
+    """
+    run.generation = _next(run.generation, now)
+    run.live = [*run.live, run.generation]
+    run.state = RunState.WOKEN
+    run.reissue_at = _reissue_at(run, now)  # the issued copy is expected by then
+    return Wake(scope, key, run.run_id, run.generation, run.payload)
+
+
+def _lower_due(tx: KeyTransaction, meta: KeyMeta | None, when: float | None) -> None:
+    """Make the key due by ``when`` at the latest (a hint: :func:`tick` recomputes it)."""
+    if meta is None or when is None or (meta.due_at is not None and meta.due_at <= when):
+        return
+    meta.due_at = when
+    tx.save_meta(meta)
 
 
 @dataclass
 class _Housekept:
     evicted: list[str] = field(default_factory=list)  # orphaned holders
-    removed: list[str] = field(default_factory=list)  # waiters passed over for ``retention`` more
+    removed: list[str] = field(default_factory=list)  # abandoned waiters
 
 
 def _housekeep(tx: KeyTransaction, now: float, timings: Timings, keep: str | None) -> _Housekept:
-    """Evict orphaned holders and remove waiters long gone; ``keep`` (the caller's run) stays."""
+    """Evict orphaned holders and drop registrations never published; ``keep`` (the caller's
+    run) stays."""
     done = _Housekept()
     for holder in tx.holders():
         timeout = holder.orphan_timeout
         if timeout is not None and holder.lease_expires_at + timeout < now and holder.run_id != keep:
             tx.delete_run(holder.run_id)
             done.evicted.append(holder.run_id)
-    for run_id in tx.passed_over_before(now - timings.retention):
+    for run_id in tx.unconfirmed_before(now - timings.registration_grace):
         if run_id != keep:
             tx.delete_run(run_id)
-            done.removed.append(run_id)
     return done
 
 
-def _wakes(
-    tx: KeyTransaction, meta: KeyMeta, scope: str, key: str, now: float, skip: str | None
+def _hand_on(
+    tx: KeyTransaction,
+    meta: KeyMeta,
+    scope: str,
+    key: str,
+    now: float,
+    timings: Timings,
+    done: _Housekept,
+    skip: str | None,
 ) -> list[Wake]:
-    """Gated waiters that now own a free slot get a fresh live generation to be published."""
-    free = meta.limit - len(tx.holders())
-    wakes = []
-    for run in _slot_owners(tx, free, now):
-        if run.state is RunState.GATED and run.run_id != skip:
-            run.generation = _next(run.generation, now)
-            # Every copy in flight stays live beside the wake: the last deferred one may never
-            # have been published (its claim's answer was lost, or its publish failed and the
-            # delivery was re-published as it was), and a payload-less wake is not published
-            # at all. Admission leaves one live copy, so the run still runs once.
-            run.live = [*run.live, run.generation]
-            run.state = RunState.WOKEN
-            tx.save_run(run)
-            wakes.append(Wake(scope, key, run.run_id, run.generation, run.payload))
+    """Issue the waiters that own a free slot and need a copy; set the key's ``due_at``.
+
+    The first ``limit - holders`` waiters in line own the free slots. A gated owner is woken
+    (its turn came). A confirmed owner none of whose copies reached the store by its
+    ``reissue_at`` is issued again, or abandoned when nothing reached the store for
+    ``retention``. Unconfirmed owners hold their place until their grace ends.
+    """
+    holders = tx.holders()
+    free = meta.limit - len(holders)
+    wakes: list[Wake] = []
+    due: float | None = None
+    owners = 0
+    if free > 0:
+        for run in _waiters(tx):
+            if run.run_id != skip and run.confirmed and run.payload is not None:
+                if run.state is RunState.GATED:
+                    wakes.append(_issue(run, now, scope, key))
+                    tx.save_run(run)
+                elif run.reissue_at is not None and run.reissue_at <= now:
+                    if now - run.seen_at > timings.retention:
+                        tx.delete_run(run.run_id)
+                        done.removed.append(run.run_id)
+                        continue  # the next waiter moves up into its slot
+                    wakes.append(_issue(run, now, scope, key))
+                    tx.save_run(run)
+            if not run.confirmed:
+                due = _earliest(due, run.created_at + timings.registration_grace)
+            elif run.payload is not None:
+                due = _earliest(due, run.reissue_at)
+            owners += 1
+            if owners == free:
+                break
+    if tx.count_runs() > len(holders):  # a holder's eviction would hand its slot on
+        for holder in holders:
+            if holder.orphan_timeout is not None:
+                due = _earliest(due, holder.lease_expires_at + holder.orphan_timeout)
+    meta.due_at = due
     return wakes
 
 
 def _take_place(run: RunRecord, payload: bytes | None) -> None:
-    """A waiter whose message is known (delivered, or published held back) keeps it to be woken.
-
-    A pending one becomes gated: it takes its place in line again and is woken by a release
-    (docs/concepts.md#passed-over-waiters).
-    """
+    """A delivered waiter: its message was published, and the delivered copy is the one to issue."""
     run.confirmed = True
-    run.payload = payload
+    if payload is not None:
+        run.payload = payload
     if run.state is RunState.PENDING:
         run.state = RunState.GATED
 
@@ -392,13 +445,21 @@ def _finish(tx: KeyTransaction, meta: KeyMeta, now: float, timings: Timings) -> 
     if tx.count_runs() == 0:
         meta.seq = 0
         meta.idle_until = now + timings.retention
+        meta.due_at = None
     else:
         meta.idle_until = None
     tx.save_meta(meta)
 
 
 def _new_waiter(
-    spec: RunSpec, meta: KeyMeta, now: float, timings: Timings, *, confirmed: bool, generation: int
+    spec: RunSpec,
+    meta: KeyMeta,
+    now: float,
+    *,
+    confirmed: bool,
+    generation: int,
+    payload: bytes | None,
+    delay: float = 0.0,
 ) -> RunRecord:
     meta.seq += 1
     run = RunRecord(
@@ -409,58 +470,81 @@ def _new_waiter(
         confirmed=confirmed,
         generation=generation,
         live=[generation],
+        payload=payload,
         lease=spec.lease,
         orphan_timeout=spec.orphan_timeout,
         recheck=spec.recheck,
     )
-    _seen(run, now, timings)
+    _seen(run, now, delay)
     return run
 
 
-def register(tx: KeyTransaction, spec: RunSpec, *, confirmed: bool, timings: Timings) -> RegisterOutcome:
-    """Register a pending waiter, atomically with the backlog cap (docs/concepts.md#the-life-of-a-run)."""
+def register(
+    tx: KeyTransaction,
+    spec: RunSpec,
+    *,
+    payload: bytes | None,
+    delay: float = 0.0,
+    confirmed: bool,
+    timings: Timings,
+) -> RegisterOutcome:
+    """Register a pending waiter with its payload, atomically with the backlog cap
+    (docs/concepts.md#the-life-of-a-run).
+
+    Every registered run counts until it settles; registrations never published (unconfirmed
+    past their grace) are dropped first and count no more. ``delay``: the run is sent with that
+    delay (seconds): it is not issued again before the delay is up.
+    """
     if tx.get_run(spec.run_id) is not None:
         return RegisterOutcome(Registered.EXISTS, tx.count_runs())
     now = tx.now()
-    in_flight = tx.count_runs() - tx.count_passed_over(now)
+    never_published = tx.unconfirmed_before(now - timings.registration_grace)
+    in_flight = tx.count_runs() - len(never_published)
     if spec.max_queue_depth is not None and in_flight >= spec.limit + spec.max_queue_depth:
         return RegisterOutcome(Registered.FULL, in_flight)
+    for run_id in never_published:
+        tx.delete_run(run_id)
     meta = _meta(tx, now)
     meta.limit = spec.limit
     tx.clear_settled(spec.run_id)
-    tx.save_run(_new_waiter(spec, meta, now, timings, confirmed=confirmed, generation=0))
+    run = _new_waiter(spec, meta, now, confirmed=confirmed, generation=0, payload=payload, delay=delay)
+    tx.save_run(run)
+    if confirmed and payload is not None:
+        meta.due_at = _earliest(meta.due_at, run.reissue_at)
     _finish(tx, meta, now, timings)
     return RegisterOutcome(Registered.REGISTERED, in_flight + 1)
 
 
 def confirm(tx: KeyTransaction, run_id: str, *, timings: Timings) -> bool:
-    """Mark a registration as published (its message is on its way): it is seen now."""
+    """Mark a registration as published (its message is on its way)."""
     run = tx.get_run(run_id)
     if run is None or run.confirmed:
         return run is not None
     run.confirmed = True
-    _seen(run, tx.now(), timings)
     tx.save_run(run)
+    if run.payload is not None:
+        _lower_due(tx, tx.meta(), run.reissue_at)
     return True
 
 
-def park(
-    tx: KeyTransaction, scope: str, key: str, run_id: str, payload: bytes, *, timings: Timings
-) -> list[Wake]:
-    """A registration published held back (delayed at enqueue) waits gated with its payload.
+def park(tx: KeyTransaction, scope: str, key: str, run_id: str, *, timings: Timings) -> list[Wake]:
+    """A registration published held back (its publish is done) waits gated with its payload.
 
     It is then woken like a deferred delivery; its held-back copy stays live as the fallback.
     Only a pending run is parked: one already delivered is left to its delivery. Returns the
     wakes, which include the run itself if a slot freed since it registered.
     """
     run = tx.get_run(run_id)
-    if run is None or run.state is not RunState.PENDING:
+    if run is None or run.state is not RunState.PENDING or run.payload is None:
         return []
     now = tx.now()
-    _take_place(run, payload)
-    _seen(run, now, timings)
+    _take_place(run, None)
+    _seen(run, now)
     tx.save_run(run)
-    return _wakes(tx, _meta(tx, now), scope, key, now, skip=None)
+    meta = _meta(tx, now)
+    wakes = _hand_on(tx, meta, scope, key, now, timings, _Housekept(), skip=None)
+    _finish(tx, meta, now, timings)
+    return wakes
 
 
 def unregister(tx: KeyTransaction, run_id: str, *, timings: Timings) -> bool:
@@ -484,20 +568,23 @@ def claim(
 ) -> ClaimOutcome:
     """Decide one delivery: admit, gate, defer a busy duplicate, or drop a stale copy.
 
-    Every answer also names the gated waiters that own a free slot now (``wakes``): a slot may
-    have freed since the last call (an eviction, a waiter passed over), and whoever touches the
+    Every answer also names the waiters the store issues now (``wakes``): a slot may have freed
+    since the last call (an eviction), or an owner's copies may be lost, and whoever touches the
     key next hands it on.
     """
     now = tx.now()
     meta = _meta(tx, now)
     meta.limit = spec.limit
     done = _housekeep(tx, now, timings, keep=spec.run_id)
-    evicted, removed = tuple(done.evicted), tuple(done.removed)
+
+    def outcome(decision: Decision, wakes: list[Wake], **values: Any) -> ClaimOutcome:
+        _finish(tx, meta, now, timings)
+        return ClaimOutcome(
+            decision, evicted=tuple(done.evicted), wakes=tuple(wakes), removed=tuple(done.removed), **values
+        )
 
     def stale() -> ClaimOutcome:
-        wakes = _wakes(tx, meta, spec.scope, spec.key, now, skip=None)
-        _finish(tx, meta, now, timings)
-        return ClaimOutcome(Decision.STALE, evicted=evicted, wakes=tuple(wakes), removed=removed)
+        return outcome(Decision.STALE, _hand_on(tx, meta, spec.scope, spec.key, now, timings, done, None))
 
     run = tx.get_run(spec.run_id)
     if run is None:
@@ -509,7 +596,7 @@ def claim(
         # Never registered (send_task, or a settled run re-driven): first sight
         # (docs/concepts.md#what-other-deliveries-see).
         tx.clear_settled(spec.run_id)
-        run = _new_waiter(spec, meta, now, timings, confirmed=True, generation=generation)
+        run = _new_waiter(spec, meta, now, confirmed=True, generation=generation, payload=payload)
     elif generation not in run.live:
         if not issued_in_a_lost_write(run, generation):
             return stale()
@@ -526,40 +613,24 @@ def claim(
             # redelivers it, and it must not be dropped as stale (the run would be lost).
             run.live = sorted({run.holder_generation, generation, run.generation})
             tx.save_run(run)
-            wakes = _wakes(tx, meta, spec.scope, spec.key, now, skip=None)
-            _finish(tx, meta, now, timings)
-            return ClaimOutcome(
-                Decision.BUSY,
-                generation=run.generation,
-                evicted=evicted,
-                wakes=tuple(wakes),
-                removed=removed,
-            )
+            wakes = _hand_on(tx, meta, spec.scope, spec.key, now, timings, done, None)
+            return outcome(Decision.BUSY, wakes, generation=run.generation)
         takeover = run.executing
         return _admit(tx, meta, spec, run, generation, now, timings, done, takeover=takeover)
 
     _take_place(run, payload)
-    _seen(run, now, timings)
+    _seen(run, now)
     tx.save_run(run)
     free = meta.limit - len(tx.holders())
-    owners = _slot_owners(tx, free, now)
-    if any(owner.run_id == run.run_id for owner in owners):
+    if free > 0 and tx.waiters_before(run.seq) < free:
         return _admit(tx, meta, spec, run, generation, now, timings, done, takeover=False)
     run.generation = _next(run.generation, now)
     run.live = sorted({generation, run.generation})
     run.state = RunState.GATED
     tx.save_run(run)
-    wakes = _wakes(tx, meta, spec.scope, spec.key, now, skip=run.run_id)
+    wakes = _hand_on(tx, meta, spec.scope, spec.key, now, timings, done, run.run_id)
     position = tx.waiters_before(run.seq) + 1
-    _finish(tx, meta, now, timings)
-    return ClaimOutcome(
-        Decision.GATED,
-        generation=run.generation,
-        position=position,
-        evicted=evicted,
-        wakes=tuple(wakes),
-        removed=removed,
-    )
+    return outcome(Decision.GATED, wakes, generation=run.generation, position=position)
 
 
 def _admit(
@@ -583,9 +654,10 @@ def _admit(
     run.heartbeat_at = now
     run.lease_expires_at = now + spec.lease
     run.executing = True
-    run.payload = None
+    run.payload = None  # a holder is never issued again: an evicted one ran, or runs no more
+    run.reissue_at = None
     tx.save_run(run)
-    wakes = _wakes(tx, meta, spec.scope, spec.key, now, skip=run.run_id)
+    wakes = _hand_on(tx, meta, spec.scope, spec.key, now, timings, done, run.run_id)
     _finish(tx, meta, now, timings)
     return ClaimOutcome(
         Decision.ADMITTED,
@@ -633,7 +705,7 @@ def release(
     timings: Timings,
     waiting_only: bool = False,
 ) -> ReleaseOutcome:
-    """Settle a run: free its slot (or its place in line) and name the waiters to wake.
+    """Settle a run: free its slot (or its place in line) and name the waiters to issue.
 
     ``token=None`` settles whatever the run is (a waiter revoked, an operator release);
     with a token, a holder whose slot now has another owner is reported ``lost``.
@@ -644,7 +716,6 @@ def release(
     now = tx.now()
     meta = _meta(tx, now)
     done = _housekeep(tx, now, timings, keep=run_id)
-    evicted, removed = tuple(done.evicted), tuple(done.removed)
     run = tx.get_run(run_id)
     if (
         run is None
@@ -654,9 +725,15 @@ def release(
         # Settled already (idempotent: async interrupts settle twice), taken from us, or (only
         # a waiter to settle) admitted meanwhile by another copy.
         lost = token is not None and (run is not None or tx.settled_generation(run_id, now) is None)
-        wakes = _wakes(tx, meta, scope, key, now, skip=None)
+        wakes = _hand_on(tx, meta, scope, key, now, timings, done, None)
         _finish(tx, meta, now, timings)
-        return ReleaseOutcome(released=False, lost=lost, wakes=tuple(wakes), evicted=evicted, removed=removed)
+        return ReleaseOutcome(
+            released=False,
+            lost=lost,
+            wakes=tuple(wakes),
+            evicted=tuple(done.evicted),
+            removed=tuple(done.removed),
+        )
     tx.delete_run(run_id)
     settled = (
         run.holder_generation
@@ -664,6 +741,22 @@ def release(
         else (generation if generation is not None else -1)
     )
     tx.mark_settled(run_id, settled, now + timings.retention, now)
-    wakes = _wakes(tx, meta, scope, key, now, skip=None)
+    wakes = _hand_on(tx, meta, scope, key, now, timings, done, None)
     _finish(tx, meta, now, timings)
-    return ReleaseOutcome(released=True, wakes=tuple(wakes), evicted=evicted, removed=removed)
+    return ReleaseOutcome(
+        released=True, wakes=tuple(wakes), evicted=tuple(done.evicted), removed=tuple(done.removed)
+    )
+
+
+def tick(tx: KeyTransaction, scope: str, key: str, *, timings: Timings) -> DueOutcome:
+    """Do what a due key has to do by itself: evict orphaned holders, drop registrations never
+    published, issue owners whose copies are lost (a heartbeat thread's call on a key with no
+    traffic). The caller publishes the wakes."""
+    now = tx.now()
+    meta = tx.meta()
+    if meta is None or (meta.idle_until is not None and meta.idle_until < now):
+        return DueOutcome(scope, key)
+    done = _housekeep(tx, now, timings, keep=None)
+    wakes = _hand_on(tx, meta, scope, key, now, timings, done, None)
+    _finish(tx, meta, now, timings)
+    return DueOutcome(scope, key, tuple(wakes), tuple(done.evicted), tuple(done.removed))

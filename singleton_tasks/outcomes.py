@@ -18,9 +18,9 @@ class RunSpec:
     limit: int = 1
     max_queue_depth: int | None = None
     lease: float = DEFAULT_LEASE
-    orphan_timeout: float | None = DEFAULT_ORPHAN_TIMEOUT  # None: never evict, never pass over
+    orphan_timeout: float | None = DEFAULT_ORPHAN_TIMEOUT  # None: never evict, never re-issue
     #: The longest a live waiter's copy may take to show up again: its worker's longest
-    #: re-check delay. A waiter unseen for ``orphan_timeout + recheck`` is passed over.
+    #: re-check delay. A waiter owning a slot, unseen for ``orphan_timeout + recheck``, is issued again.
     recheck: float = DEFAULT_MAX_RETRY_DELAY + DEFAULT_RETRY_JITTER
 
 
@@ -67,7 +67,7 @@ class ClaimOutcome:
     takeover: bool = False  # ADMITTED over a holder whose lease had lapsed
     evicted: tuple[str, ...] = ()  # orphaned holders evicted by this call
     wakes: tuple[Wake, ...] = ()
-    removed: tuple[str, ...] = ()  # waiters unseen for long, removed by this call
+    removed: tuple[str, ...] = ()  # abandoned waiters removed by this call (gate.py's glossary)
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,17 @@ class ReleaseOutcome:
     wakes: tuple[Wake, ...] = ()
     evicted: tuple[str, ...] = ()
     removed: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class DueOutcome:
+    """What a due key did by itself (``Store.tick_due``): the caller publishes ``wakes``."""
+
+    scope: str
+    key: str
+    wakes: tuple[Wake, ...] = ()
+    evicted: tuple[str, ...] = ()  # orphaned holders evicted
+    removed: tuple[str, ...] = ()  # abandoned waiters removed
 
 
 @dataclass(frozen=True)
@@ -98,7 +109,7 @@ class HolderRef:
 class RunState(enum.Enum):
     PENDING = "pending"  # registered, never delivered
     GATED = "gated"  # delivered and deferred
-    WOKEN = "woken"  # gated, and a wake copy was published
+    WOKEN = "woken"  # a copy was issued for its turn (a wake, or a re-issue)
     HOLDING = "holding"  # admitted: owns a slot
 
 
@@ -121,7 +132,7 @@ class WaiterView:
     state: RunState
     confirmed: bool
     seen_at: float = 0.0  # the store's time when a live copy of the run was last seen
-    passed_over_at: float | None = None  # from then on it neither owns a slot nor counts (None: never)
+    reissue_at: float | None = None  # owning a slot and unseen by then, it is issued again (None: never)
     phantom: bool = False
 
 

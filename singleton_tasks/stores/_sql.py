@@ -79,11 +79,16 @@ def _pyformat(sql: str) -> str:
 
 
 _ADD_COLUMN = re.compile(r"^\s*ALTER\s+TABLE\s+\w+\s+ADD\s+COLUMN\s", re.IGNORECASE)
+_RENAME_COLUMN = re.compile(r"^\s*ALTER\s+TABLE\s+\w+\s+RENAME\s+COLUMN\s", re.IGNORECASE)
 
 
 def _sqlite_column_exists(statement: str, error: Exception) -> bool:
-    """A re-applied ``ADD COLUMN`` (SQLite has no ``IF NOT EXISTS`` for it): the column is there."""
-    return bool(_ADD_COLUMN.match(_strip_comments(statement))) and "duplicate column name" in str(error)
+    """A re-applied ``ADD COLUMN`` or ``RENAME COLUMN`` (SQLite has no ``IF [NOT] EXISTS`` for
+    them): the column is there, or renamed already."""
+    statement = _strip_comments(statement)
+    return (bool(_ADD_COLUMN.match(statement)) and "duplicate column name" in str(error)) or (
+        bool(_RENAME_COLUMN.match(statement)) and "no such column" in str(error)
+    )
 
 
 def _never(statement: str, error: Exception) -> bool:
@@ -262,8 +267,9 @@ class SQLKeyTransaction(KeyTransaction):
             row = self._cursor.one("lock_key", {**self._key, "now": self._now_arg})
             if row is not None:
                 idle_until = None if row[3] is None else float(row[3])
+                due_at = None if row[5] is None else float(row[5])
                 self._meta = KeyMeta(
-                    token=int(row[0]), seq=int(row[1]), limit=int(row[2]), idle_until=idle_until
+                    token=int(row[0]), seq=int(row[1]), limit=int(row[2]), idle_until=idle_until, due_at=due_at
                 )
                 self._now = float(row[4])
                 return True
@@ -312,6 +318,7 @@ class SQLKeyTransaction(KeyTransaction):
                 "seq": meta.seq,
                 "slot_limit": meta.limit,
                 "idle_until": meta.idle_until,
+                "due_at": meta.due_at,
             },
         )
         self._meta = replace(meta)
@@ -365,16 +372,10 @@ class SQLKeyTransaction(KeyTransaction):
         row = self._cursor.one("waiters_before", {**self._key, "seq": seq})
         return int(row[0]) if row else 0
 
-    def count_passed_over(self, now: float) -> int:
-        if not self._waiters_exist():
-            return 0
-        row = self._cursor.one("count_passed_over", {**self._key, "now": now})
-        return int(row[0]) if row else 0
-
-    def passed_over_before(self, before: float) -> list[str]:
+    def unconfirmed_before(self, before: float) -> list[str]:
         if not self._waiters_exist():
             return []
-        rows = self._cursor.all("passed_over_before", {**self._key, "before": before})
+        rows = self._cursor.all("unconfirmed_before", {**self._key, "before": before})
         return [self._load(str(row[0])) for row in rows]
 
     def settled_generation(self, run_id: str, now: float) -> int | None:
@@ -438,6 +439,14 @@ class SQLStore(RuleStore):
                     ref = holders[index]
                     alive[index] = gate.heartbeat(tx, ref.run_id, ref.token)
         return alive, self.time() if store_time is None else store_time
+
+    def due_keys(self, now: float, count: int) -> list[tuple[str, str]]:
+        load = self.dialect.load_text
+        with self._begin(write=False) as cursor:
+            rows = cursor.all(
+                "due_keys", {"namespace": self.dialect.store_text(self.namespace), "now": now, "count": count}
+            )
+        return [(load(str(scope)), load(str(key))) for scope, key in rows]
 
     def sweep(self, *, until: float | None = None) -> int:
         """Forget expired settled markers and idle keys of the namespace, in small transactions."""

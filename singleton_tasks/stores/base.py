@@ -17,6 +17,7 @@ from ..errors import SingletonConfigError
 from ..gate import KeyMeta, KeyTransaction, RunRecord, Timings
 from ..outcomes import (
     ClaimOutcome,
+    DueOutcome,
     HeartbeatOutcome,
     HolderRef,
     HolderView,
@@ -31,7 +32,9 @@ from ..outcomes import (
 
 #: Version 2: store-side time, ``seen_at`` / ``passed_over_at`` per run, idle keys expire.
 #: Version 3: Redis lists its busy keys in an index (no change to the SQL schemas).
-SCHEMA_VERSION = 3
+#: Version 4: every waiter counts until it settles and is re-issued when its copies are lost
+#: (``reissue_at`` per run, ``due_at`` per key, an index of due keys).
+SCHEMA_VERSION = 4
 
 #: A zero-argument callable giving epoch seconds: the test-only ``clock=`` option of every store.
 Clock = Callable[[], float]
@@ -89,8 +92,9 @@ class Store(abc.ABC):
     Options every store takes:
 
     - ``namespace``: isolates applications sharing one server.
-    - ``retention``: seconds after which an idle key, a settled run's marker and a waiter passed
-      over that long are forgotten (default :data:`~singleton_tasks.gate.DEFAULT_RETENTION`).
+    - ``retention``: seconds after which an idle key and a settled run's marker are forgotten,
+      and a waiter due for a re-issue that nothing reached for that long is abandoned (default
+      :data:`~singleton_tasks.gate.DEFAULT_RETENTION`).
     - ``clock`` (tests only): a zero-argument callable; when given the store decides at the time
       it returns instead of reading its own clock (:class:`singleton_tasks.testing.ManualClock`).
     """
@@ -159,8 +163,20 @@ class Store(abc.ABC):
         """The store's clock now (epoch seconds)."""
 
     @abc.abstractmethod
-    def register(self, spec: RunSpec, *, confirmed: bool = True) -> RegisterOutcome:
-        """Register a pending waiter with the backlog cap, or report it exists / the key is full."""
+    def register(
+        self, spec: RunSpec, *, payload: bytes | None = None, delay: float = 0.0, confirmed: bool = True
+    ) -> RegisterOutcome:
+        """Register a pending waiter with the backlog cap, or report it exists / the key is full.
+
+        Arguments:
+            spec: The run and its key's options.
+            payload: The message the store issues the run from if its copies are lost (None: the
+                run can only run from its own copies).
+            delay: Seconds the run's message is delayed by (Dramatiq ``delay``, Celery
+                ``countdown``): it is not issued again before then.
+            confirmed: False until the message is published (:meth:`confirm`); an unconfirmed
+                registration is dropped after the store's registration grace.
+        """
 
     @abc.abstractmethod
     def confirm(self, scope: str, key: str, run_id: str) -> bool:
@@ -176,8 +192,8 @@ class Store(abc.ABC):
         """Undo a registration whose message could not be published."""
 
     @abc.abstractmethod
-    def park(self, scope: str, key: str, run_id: str, payload: bytes) -> tuple[Wake, ...]:
-        """A registration published held back waits gated with ``payload``; returns the wakes."""
+    def park(self, scope: str, key: str, run_id: str) -> tuple[Wake, ...]:
+        """A registration published held back waits gated with its payload; returns the wakes."""
 
     @abc.abstractmethod
     def claim(self, spec: RunSpec, generation: int, payload: bytes | None = None) -> ClaimOutcome:
@@ -204,6 +220,13 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def heartbeat(self, holders: Sequence[HolderRef]) -> HeartbeatOutcome:
         """Extend the leases of running holders in one call; names those that lost their slot."""
+
+    @abc.abstractmethod
+    def tick_due(self, *, limit: int = 64) -> list[DueOutcome]:
+        """Call :func:`singleton_tasks.gate.tick` on up to ``limit`` keys whose ``due_at`` has
+        passed: evictions, re-issues and abandoned waiters that no traffic on the key would
+        otherwise trigger. A worker's heartbeat thread calls it every interval and publishes
+        the wakes; fewer than ``limit`` answers means nothing more is due."""
 
     @abc.abstractmethod
     def snapshot(self, *, scope: str | None = None, key: str | None = None) -> list[KeySnapshot]:
@@ -263,9 +286,17 @@ class RuleStore(Store):
     def time(self) -> float:
         return self.clock() if self.clock is not None else time.time()
 
-    def register(self, spec: RunSpec, *, confirmed: bool = True) -> RegisterOutcome:
+    @abc.abstractmethod
+    def due_keys(self, now: float, count: int) -> list[tuple[str, str]]:
+        """Up to ``count`` ``(scope, key)`` whose ``due_at`` is before ``now``, earliest first."""
+
+    def register(
+        self, spec: RunSpec, *, payload: bytes | None = None, delay: float = 0.0, confirmed: bool = True
+    ) -> RegisterOutcome:
         with self.transaction(spec.scope, spec.key) as tx:
-            return gate.register(tx, spec, confirmed=confirmed, timings=self.timings)
+            return gate.register(
+                tx, spec, payload=payload, delay=delay, confirmed=confirmed, timings=self.timings
+            )
 
     def confirm(self, scope: str, key: str, run_id: str) -> bool:
         with self.transaction(scope, key) as tx:
@@ -275,9 +306,16 @@ class RuleStore(Store):
         with self.transaction(scope, key) as tx:
             return gate.unregister(tx, run_id, timings=self.timings)
 
-    def park(self, scope: str, key: str, run_id: str, payload: bytes) -> tuple[Wake, ...]:
+    def park(self, scope: str, key: str, run_id: str) -> tuple[Wake, ...]:
         with self.transaction(scope, key) as tx:
-            return tuple(gate.park(tx, scope, key, run_id, payload, timings=self.timings))
+            return tuple(gate.park(tx, scope, key, run_id, timings=self.timings))
+
+    def tick_due(self, *, limit: int = 64) -> list[DueOutcome]:
+        done = []
+        for scope, key in self.due_keys(self.time(), limit):
+            with self.transaction(scope, key) as tx:
+                done.append(gate.tick(tx, scope, key, timings=self.timings))
+        return done
 
     def claim(self, spec: RunSpec, generation: int, payload: bytes | None = None) -> ClaimOutcome:
         with self.transaction(spec.scope, spec.key) as tx:
@@ -333,7 +371,7 @@ def snapshot_of(scope: str, key: str, meta: KeyMeta, runs: Sequence[RunRecord]) 
             for h in holders
         ),
         waiters=tuple(
-            WaiterView(w.run_id, i + 1, w.created_at, w.state, w.confirmed, w.seen_at, w.passed_over_at)
+            WaiterView(w.run_id, i + 1, w.created_at, w.state, w.confirmed, w.seen_at, w.reissue_at)
             for i, w in enumerate(waiters)
         ),
     )

@@ -25,7 +25,7 @@ class _KeyData:
     meta: KeyMeta | None = None
     runs: dict[str, RunRecord] = field(default_factory=dict)
     order: list[tuple[int, str]] = field(default_factory=list)  # waiters by seq
-    overdue: list[tuple[float, str]] = field(default_factory=list)  # waiters by passed_over_at
+    unconfirmed: list[tuple[float, str]] = field(default_factory=list)  # unconfirmed waiters by created_at
     settled: dict[str, tuple[int, float]] = field(default_factory=dict)
     removed: bool = False  # forgotten: a caller that waited for its lock looks the key up again
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -136,18 +136,18 @@ class _MemoryTransaction(KeyTransaction):
         return run.copy() if run else None
 
     def _put(self, run_id: str, run: RunRecord | None) -> None:
-        runs, order, overdue = self._data.runs, self._data.order, self._data.overdue
+        runs, order, unconfirmed = self._data.runs, self._data.order, self._data.unconfirmed
         old = runs.pop(run_id, None)
         if old is not None and old.state is not RunState.HOLDING:
             del order[bisect.bisect_left(order, (old.seq, run_id))]
-            if old.passed_over_at is not None:
-                del overdue[bisect.bisect_left(overdue, (old.passed_over_at, run_id))]
+            if not old.confirmed:
+                del unconfirmed[bisect.bisect_left(unconfirmed, (old.created_at, run_id))]
         if run is not None:
             runs[run_id] = run
             if run.state is not RunState.HOLDING:
                 bisect.insort(order, (run.seq, run_id))
-                if run.passed_over_at is not None:
-                    bisect.insort(overdue, (run.passed_over_at, run_id))
+                if not run.confirmed:
+                    bisect.insort(unconfirmed, (run.created_at, run_id))
 
     def save_run(self, run: RunRecord) -> None:
         previous = self._data.runs.get(run.run_id)
@@ -173,12 +173,9 @@ class _MemoryTransaction(KeyTransaction):
     def waiters_before(self, seq: int) -> int:
         return bisect.bisect_left(self._data.order, (seq, ""))
 
-    def count_passed_over(self, now: float) -> int:
-        return bisect.bisect_left(self._data.overdue, (now, ""))
-
-    def passed_over_before(self, before: float) -> list[str]:
-        overdue = self._data.overdue
-        return [run_id for _at, run_id in overdue[: bisect.bisect_left(overdue, (before, ""))]]
+    def unconfirmed_before(self, before: float) -> list[str]:
+        unconfirmed = self._data.unconfirmed
+        return [run_id for _at, run_id in unconfirmed[: bisect.bisect_left(unconfirmed, (before, ""))]]
 
     def settled_generation(self, run_id: str, now: float) -> int | None:
         marker = self._data.settled.get(run_id)
@@ -250,6 +247,19 @@ class MemoryStore(RuleStore):
             with self.transaction(ref.scope, ref.key) as tx:
                 alive.append(gate.heartbeat(tx, ref.run_id, ref.token))
         return alive, self.time()
+
+    def due_keys(self, now: float, count: int) -> list[tuple[str, str]]:
+        """A scan of the busy keys: the in-process store serves one process's keys."""
+        server = self._server
+        with server.lock:
+            idents = [i for i in server.active if i[0] == self.namespace]
+        due = []
+        for ident in idents:
+            data = server.keys.get(ident)
+            meta = None if data is None else data.meta  # a reference read: no lock needed
+            if meta is not None and meta.due_at is not None and meta.due_at < now:
+                due.append((meta.due_at, ident[1], ident[2]))
+        return [(scope, key) for _at, scope, key in sorted(due)[:count]]
 
     def snapshot(self, *, scope: str | None = None, key: str | None = None) -> list[KeySnapshot]:
         server = self._server

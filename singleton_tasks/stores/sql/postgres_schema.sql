@@ -17,6 +17,7 @@ CREATE TABLE IF NOT EXISTS singleton_keys (
     seq bigint NOT NULL DEFAULT 0,
     slot_limit integer NOT NULL DEFAULT 1,
     idle_until double precision,
+    due_at double precision,
     PRIMARY KEY (namespace, scope, key)
 );
 
@@ -43,7 +44,7 @@ CREATE TABLE IF NOT EXISTS singleton_runs (
     orphan_timeout double precision,
     recheck double precision NOT NULL DEFAULT 10.25,
     seen_at double precision NOT NULL DEFAULT 0,
-    passed_over_at double precision,
+    reissue_at double precision,
     PRIMARY KEY (namespace, scope, key, run_id)
 );
 
@@ -52,9 +53,9 @@ CREATE INDEX IF NOT EXISTS singleton_runs_waiters ON singleton_runs (namespace, 
     WHERE state <> 'holding';
 CREATE INDEX IF NOT EXISTS singleton_runs_holders ON singleton_runs (namespace, scope, key, token)
     WHERE state = 'holding';
--- Waiters by when they are passed over: counted against the backlog cap, removed after retention.
-CREATE INDEX IF NOT EXISTS singleton_runs_overdue ON singleton_runs (namespace, scope, key, passed_over_at)
-    WHERE state <> 'holding' AND passed_over_at IS NOT NULL;
+-- Registrations not confirmed yet: dropped once their grace has passed.
+CREATE INDEX IF NOT EXISTS singleton_runs_unconfirmed ON singleton_runs (namespace, scope, key, created_at)
+    WHERE NOT confirmed;
 
 -- Admitted generations of recently settled runs (stale-copy detection), for `retention`;
 -- expired rows are swept namespace-wide.
@@ -72,7 +73,11 @@ CREATE INDEX IF NOT EXISTS singleton_settled_expiry ON singleton_settled (namesp
 
 CREATE INDEX IF NOT EXISTS singleton_keys_idle ON singleton_keys (namespace, idle_until)
     WHERE idle_until IS NOT NULL;
+-- Keys with work of their own due (re-issues, evictions): the workers' heartbeats find them here.
+CREATE INDEX IF NOT EXISTS singleton_keys_due ON singleton_keys (namespace, due_at)
+    WHERE due_at IS NOT NULL;
 
 INSERT INTO singleton_schema_version (version) VALUES (1) ON CONFLICT DO NOTHING;
 INSERT INTO singleton_schema_version (version) VALUES (2) ON CONFLICT DO NOTHING;
 INSERT INTO singleton_schema_version (version) VALUES (3) ON CONFLICT DO NOTHING;
+INSERT INTO singleton_schema_version (version) VALUES (4) ON CONFLICT DO NOTHING;

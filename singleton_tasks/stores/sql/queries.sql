@@ -10,14 +10,15 @@
 -- name: lock_key
 -- SQLite: the whole database is already write-locked by BEGIN IMMEDIATE; the store's clock is
 -- the host's, read in Python (:now).
-SELECT token, seq, slot_limit, idle_until, :now FROM singleton_keys
+SELECT token, seq, slot_limit, idle_until, :now, due_at FROM singleton_keys
 WHERE namespace = :namespace AND scope = :scope AND key = :key;
 
 -- name: lock_key (postgres)
 -- The key's row lock serializes every operation on this key and no other. The last column is
 -- the store's clock: the server's (or the test clock's :now), read once the lock is held.
 SELECT token, seq, slot_limit, idle_until,
-       COALESCE(CAST(:now AS double precision), extract(epoch FROM clock_timestamp())::double precision)
+       COALESCE(CAST(:now AS double precision), extract(epoch FROM clock_timestamp())::double precision),
+       due_at
 FROM singleton_keys
 WHERE namespace = :namespace AND scope = :scope AND key = :key
 FOR UPDATE;
@@ -35,7 +36,8 @@ VALUES (:namespace, :scope, :key, 0, 0, 1)
 ON CONFLICT (namespace, scope, key) DO NOTHING;
 
 -- name: update_key
-UPDATE singleton_keys SET token = :token, seq = :seq, slot_limit = :slot_limit, idle_until = :idle_until
+UPDATE singleton_keys
+SET token = :token, seq = :seq, slot_limit = :slot_limit, idle_until = :idle_until, due_at = :due_at
 WHERE namespace = :namespace AND scope = :scope AND key = :key;
 
 -- name: sweep_keys
@@ -61,7 +63,7 @@ DELETE FROM singleton_keys WHERE ctid IN (
 -- name: get_run
 SELECT run_id, seq, state, created_at, confirmed, generation, live, payload, token,
        holder_generation, admitted_at, heartbeat_at, lease_expires_at, executing, lease, orphan_timeout,
-       recheck, seen_at, passed_over_at
+       recheck, seen_at, reissue_at
 FROM singleton_runs
 WHERE namespace = :namespace AND scope = :scope AND key = :key AND run_id = :run_id;
 
@@ -69,11 +71,11 @@ WHERE namespace = :namespace AND scope = :scope AND key = :key AND run_id = :run
 INSERT INTO singleton_runs (
     namespace, scope, key, run_id, seq, state, created_at, confirmed, generation, live, payload, token,
     holder_generation, admitted_at, heartbeat_at, lease_expires_at, executing, lease, orphan_timeout,
-    recheck, seen_at, passed_over_at
+    recheck, seen_at, reissue_at
 ) VALUES (
     :namespace, :scope, :key, :run_id, :seq, :state, :created_at, :confirmed, :generation, :live, :payload,
     :token, :holder_generation, :admitted_at, :heartbeat_at, :lease_expires_at, :executing, :lease,
-    :orphan_timeout, :recheck, :seen_at, :passed_over_at
+    :orphan_timeout, :recheck, :seen_at, :reissue_at
 )
 ON CONFLICT (namespace, scope, key, run_id) DO UPDATE SET
     seq = excluded.seq,
@@ -93,7 +95,7 @@ ON CONFLICT (namespace, scope, key, run_id) DO UPDATE SET
     orphan_timeout = excluded.orphan_timeout,
     recheck = excluded.recheck,
     seen_at = excluded.seen_at,
-    passed_over_at = excluded.passed_over_at;
+    reissue_at = excluded.reissue_at;
 
 -- name: delete_run
 DELETE FROM singleton_runs
@@ -105,7 +107,7 @@ WHERE namespace = :namespace AND scope = :scope AND key = :key AND run_id = :run
 SELECT c.runs,
        r.run_id, r.seq, r.state, r.created_at, r.confirmed, r.generation, r.live, r.payload, r.token,
        r.holder_generation, r.admitted_at, r.heartbeat_at, r.lease_expires_at, r.executing, r.lease,
-       r.orphan_timeout, r.recheck, r.seen_at, r.passed_over_at
+       r.orphan_timeout, r.recheck, r.seen_at, r.reissue_at
 FROM (
     SELECT count(*) AS runs FROM singleton_runs
     WHERE namespace = :namespace AND scope = :scope AND key = :key
@@ -118,7 +120,7 @@ ORDER BY r.token;
 -- The state literals match the partial indexes' predicates, so the planners can use them.
 SELECT run_id, seq, state, created_at, confirmed, generation, live, payload, token,
        holder_generation, admitted_at, heartbeat_at, lease_expires_at, executing, lease, orphan_timeout,
-       recheck, seen_at, passed_over_at
+       recheck, seen_at, reissue_at
 FROM singleton_runs
 WHERE namespace = :namespace AND scope = :scope AND key = :key AND state <> 'holding' AND seq > :after_seq
 ORDER BY seq
@@ -128,16 +130,25 @@ LIMIT :count;
 SELECT count(*) FROM singleton_runs
 WHERE namespace = :namespace AND scope = :scope AND key = :key AND state <> 'holding' AND seq < :seq;
 
--- name: count_passed_over
-SELECT count(*) FROM singleton_runs
-WHERE namespace = :namespace AND scope = :scope AND key = :key
-  AND state <> 'holding' AND passed_over_at IS NOT NULL AND passed_over_at < :now;
-
--- name: passed_over_before
+-- name: unconfirmed_before
 SELECT run_id FROM singleton_runs
 WHERE namespace = :namespace AND scope = :scope AND key = :key
-  AND state <> 'holding' AND passed_over_at IS NOT NULL AND passed_over_at < :before
-ORDER BY passed_over_at, run_id;
+  AND NOT confirmed AND created_at < :before
+ORDER BY created_at, run_id;
+
+-- name: unconfirmed_before (sqlite)
+-- The literal matches the partial index's predicate, so the planner can use it.
+SELECT run_id FROM singleton_runs
+WHERE namespace = :namespace AND scope = :scope AND key = :key
+  AND confirmed = 0 AND created_at < :before
+ORDER BY created_at, run_id;
+
+-- name: due_keys
+-- Keys whose due_at has passed, earliest first, on the (namespace, due_at) index.
+SELECT scope, key FROM singleton_keys
+WHERE namespace = :namespace AND due_at IS NOT NULL AND due_at < :now
+ORDER BY due_at
+LIMIT :count;
 
 -- name: settled_generation
 SELECT generation FROM singleton_settled
@@ -180,7 +191,7 @@ WHERE namespace = :namespace AND scope = :scope AND key = :key AND run_id = :run
 SELECT k.scope, k.key, k.token, k.seq, k.slot_limit,
        r.run_id, r.seq, r.state, r.created_at, r.confirmed, r.generation, r.live, r.payload, r.token,
        r.holder_generation, r.admitted_at, r.heartbeat_at, r.lease_expires_at, r.executing, r.lease,
-       r.orphan_timeout, r.recheck, r.seen_at, r.passed_over_at
+       r.orphan_timeout, r.recheck, r.seen_at, r.reissue_at
 FROM singleton_runs AS r
 JOIN singleton_keys AS k ON r.namespace = k.namespace AND r.scope = k.scope AND r.key = k.key
 WHERE r.namespace = :namespace
