@@ -36,7 +36,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..errors import SingletonError
-from ..outcomes import HolderView, KeySnapshot, ReleaseOutcome, RunState, WaiterView
+from ..outcomes import HolderView, KeySnapshot, ReleaseOutcome, RunState, WaiterView, Wake
 from ..runtime import STORE_ENV
 from ..stores import SCHEMA_VERSION, Store, check_store_url, redact_url, store_from_url
 from ..stores.base import check_namespace
@@ -459,8 +459,7 @@ def release(store_url: str | None, namespace: str, run_id: str, yes: bool, broke
     when its deferred copy comes due: about a second later at the head of the line. With a
     Dramatiq --broker, the wakes are published at once.
     """
-    broker = _dramatiq_broker(broker_url) if broker_url else None
-    with open_store(store_url, namespace) as store:
+    with _broker(broker_url) as broker, open_store(store_url, namespace) as store:
         found = _find_run(_snapshots(store), run_id)
         if found is None:
             click.echo(
@@ -485,11 +484,11 @@ def release(store_url: str | None, namespace: str, run_id: str, yes: bool, broke
             [w.run_id for w in outcome.wakes] or "nobody",
         )
         click.echo(f"released {what}")
-        _report_next(store, snap, outcome, published=_publish_wakes(broker, broker_url, outcome))
+        _report_next(store, snap, outcome, published=_publish_wakes(broker, broker_url, outcome.wakes))
 
 
-def _report_next(store: Store, snap: KeySnapshot, outcome: ReleaseOutcome, published: set[str]) -> None:
-    for wake in outcome.wakes:
+def _report_wakes(wakes: Sequence[Wake], evicted: Sequence[str], published: set[str]) -> None:
+    for wake in wakes:
         how = (
             "its wake message was published"
             if wake.run_id in published
@@ -499,8 +498,12 @@ def _report_next(store: Store, snap: KeySnapshot, outcome: ReleaseOutcome, publi
             f"woke {wake.run_id} (generation {wake.generation}): "
             f"it owns a free slot of key {wake.key!r}; {how}"
         )
-    for run_id in outcome.evicted:
+    for run_id in evicted:
         click.echo(f"evicted orphaned holder {run_id}")
+
+
+def _report_next(store: Store, snap: KeySnapshot, outcome: ReleaseOutcome, published: set[str]) -> None:
+    _report_wakes(outcome.wakes, outcome.evicted, published)
     if not outcome.wakes:
         after = store.snapshot(scope=snap.scope, key=snap.key)
         waiters = after[0].waiters if after else ()
@@ -528,7 +531,21 @@ def _dramatiq_broker(url: str) -> Any:
     raise StoreProblem(f"--broker {redact_url(url)}: expected a redis://… or amqp://… Dramatiq broker URL")
 
 
-def _publish_wakes(broker: Any, broker_url: str | None, outcome: ReleaseOutcome) -> set[str]:
+@contextmanager
+def _broker(url: str | None) -> Iterator[Any]:
+    """The ``--broker`` of a command, made before the store is touched (a wrong URL changes
+    nothing) and closed however the command ends; None without ``--broker``."""
+    if url is None:
+        yield None
+        return
+    broker = _dramatiq_broker(url)
+    try:
+        yield broker
+    finally:
+        broker.close()
+
+
+def _publish_wakes(broker: Any, broker_url: str | None, wakes: Sequence[Wake]) -> set[str]:
     """Publish the wakes on a Dramatiq broker; a failure leaves them to their deferred copies."""
     published: set[str] = set()
     if broker is None or broker_url is None:
@@ -536,7 +553,7 @@ def _publish_wakes(broker: Any, broker_url: str | None, outcome: ReleaseOutcome)
     from ..dramatiq import wake_message
 
     try:
-        for wake in outcome.wakes:
+        for wake in wakes:
             if wake.payload is None:
                 continue
             try:
@@ -549,8 +566,6 @@ def _publish_wakes(broker: Any, broker_url: str | None, outcome: ReleaseOutcome)
     except Exception as error:
         detail = _scrub(f"{type(error).__name__}: {error}", broker_url)
         click.echo(f"publishing wakes on {redact_url(broker_url)} failed ({detail})", err=True)
-    finally:
-        broker.close()
     return published
 
 
