@@ -678,6 +678,15 @@ class GateMachine(RuleBasedStateMachine):
         key, run_id = self.a_registered_run(data)
         self.claim_as(key, run_id, self.latest.get((key, run_id), 0), b"payload")
 
+    @precondition(lambda self: any(len(k.line()) > 1 for k in self.model.keys.values()))
+    @rule(data=st.data())
+    def deliver_behind(self, data: st.DataObject) -> None:
+        """A waiter behind others in line re-checks: its turn has not come, however old the
+        waiters ahead of it are."""
+        behind = [(key, r.run_id) for key, k in sorted(self.model.keys.items()) for r in k.line()[1:]]
+        key, run_id = data.draw(st.sampled_from(behind), label="run")
+        self.claim_as(key, run_id, self.latest.get((key, run_id), 0), b"payload")
+
     @precondition(lambda self: any(k.runs for k in self.model.keys.values()))
     @rule(data=st.data(), with_payload=st.booleans())
     def redeliver_first_copy(self, data: st.DataObject, with_payload: bool) -> None:
@@ -967,7 +976,7 @@ def test_store_agrees_with_the_model(backend: str, store_factory: Callable[..., 
     run_state_machine_as_test(
         machine_for(store),
         settings=settings(
-            max_examples=200 if many else 25,
+            max_examples=500 if many else 25,
             stateful_step_count=50 if many else 30,
             deadline=None,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
