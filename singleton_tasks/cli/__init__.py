@@ -59,7 +59,7 @@ store's clock, durations are seconds; the store's password is redacted):
   "format": 1,
   "store": "redis://user:***@host:6379/0",     # redacted
   "namespace": "default",
-  "schema_version": 3,                           # null: the store was never migrated
+  "schema_version": 4,                           # null: the store was never migrated
   "now": 1767225600.0,
   "totals": {"keys": 1, "holders": 1, "waiters": 2},
   "keys": [                                      # sorted by scope, key
@@ -77,7 +77,10 @@ store's clock, durations are seconds; the store's password is redacted):
          "state": "gated",                       # "pending" | "gated" | "woken" | "phantom"
          "confirmed": true,                      # false: enqueue not yet confirmed
          "seen_at": …,                           # a live copy of it last reached the store
-         "passed_over": false}                   # unseen too long: owns no slot, not counted
+         "reissue_at": …,                        # owning a slot and unseen by then, the store
+                                                 # issues it again (null: never)
+         "passed_over": false}                   # always false: no waiter is passed over since
+                                                 # schema 4 (kept for readers of this format)
       ]
     }
   ]
@@ -216,8 +219,6 @@ def _holder_status(holder: HolderView) -> str:
 def _waiter_state(waiter: WaiterView, now: float) -> str:
     if waiter.phantom:
         return "phantom"
-    if waiter.passed_over_at is not None and waiter.passed_over_at < now:
-        return f"{waiter.state.value}, passed over"
     return waiter.state.value
 
 
@@ -253,7 +254,8 @@ def inspect_document(store: Store, snaps: Sequence[KeySnapshot], now: float) -> 
                         "state": "phantom" if w.phantom else w.state.value,
                         "confirmed": w.confirmed,
                         "seen_at": w.seen_at,
-                        "passed_over": w.passed_over_at is not None and w.passed_over_at < now,
+                        "reissue_at": w.reissue_at,
+                        "passed_over": False,
                     }
                     for w in snap.waiters
                 ],
