@@ -8,6 +8,7 @@ published. Each child here does what a producer's ``.send()`` / ``.delay()`` doe
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import multiprocessing.util
 import os
@@ -19,7 +20,7 @@ import billiard
 import pytest
 from conftest import StoreFactory, backend_params
 
-from singleton_tasks import SingletonConfig, Store, runtime
+from singleton_tasks import SingletonConfig, Store, runtime, store_from_url
 from singleton_tasks.config import BoundSingleton
 from singleton_tasks.runtime import Gatekeeper
 
@@ -94,6 +95,43 @@ def test_a_send_after_the_exit_hook_confirms_inline(store_factory: StoreFactory,
     child.join(60)
     assert child.exitcode == 0
     assert confirmed(store) == all_confirmed("early-", "child-")
+
+
+@pytest.mark.parametrize("backend", backend_params(["sqlite", "redis"]))
+def test_a_celery_pool_process_confirms_when_it_shuts_down(
+    store_factory: StoreFactory, store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefork pool process ends with ``os._exit`` inside billiard's worker loop, where no
+    finalizer runs; Celery's ``worker_process_shutdown`` does, and the adapter's receiver sends the
+    pending confirms there: a receiver connected after it sees them in the store."""
+    from billiard.pool import Pool
+    from celery import signals
+    from celery.concurrency.prefork import process_destructor
+
+    import singleton_tasks.celery  # noqa: F401 - connects the adapter's receivers
+
+    monkeypatch.setattr(runtime, "CONFIRM_LINGER", 60.0)  # the confirm thread sends only when flushed
+    store = store_factory()
+    seen = tmp_path / "seen"
+
+    def later(**_: Any) -> None:
+        in_child = store_from_url(store_url, namespace=store.namespace)
+        try:
+            seen.write_text(json.dumps(confirmed(in_child)))
+        finally:
+            in_child.close()
+
+    signals.worker_process_shutdown.connect(later, weak=False)
+    try:
+        pool = Pool(1, on_process_exit=process_destructor, maxtasksperchild=1)
+        try:
+            pool.apply_async(send_and_return, (store_url, store.namespace, "child-")).get(timeout=30)
+        finally:
+            pool.close()
+            pool.join()
+    finally:
+        signals.worker_process_shutdown.disconnect(later)
+    assert json.loads(seen.read_text()) == all_confirmed("child-")
 
 
 class _RecordsConfirms:

@@ -424,3 +424,31 @@ def test_stdlib_a_childs_exit_runs_the_finalizers_it_registered_before_os_exit(
     child.start()
     child.join(30)
     assert child.exitcode == 0 and path.read_text() == str(child.pid)
+
+
+def test_billiard_a_prefork_pool_process_sends_worker_process_shutdown_before_it_exits(
+    tmp_path: Path,
+) -> None:
+    """A billiard pool process ends with ``os._exit`` inside its target, so no finalizer runs; the
+    one hook left is the pool's ``on_process_exit``, which Celery's prefork pool makes its
+    ``worker_process_shutdown`` signal (the adapter sends pending confirms there)."""
+    from billiard.pool import Pool
+    from celery import signals
+    from celery.concurrency.prefork import process_destructor
+
+    path = tmp_path / "shutdown"
+
+    def record(pid: int = 0, **_: Any) -> None:
+        path.write_text(f"{pid} {os.getpid()}")
+
+    signals.worker_process_shutdown.connect(record, weak=False)
+    try:
+        pool = Pool(1, on_process_exit=process_destructor, maxtasksperchild=1)
+        try:
+            child = pool.apply_async(os.getpid).get(timeout=30)
+        finally:
+            pool.close()
+            pool.join()
+    finally:
+        signals.worker_process_shutdown.disconnect(record)
+    assert path.read_text() == f"{child} {child}"  # sent by the pool process itself
