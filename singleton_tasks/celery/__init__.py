@@ -50,7 +50,7 @@ from ..config import (
 )
 from ..errors import SingletonKeyError, SingletonPayloadError, StoreUnavailableError
 from ..outcomes import Decision, Registered, RegisterOutcome, RunSpec, Wake
-from ..runtime import GENERATION_FIELD, Gatekeeper, WorkerOptions, check_store_argument
+from ..runtime import GENERATION_FIELD, Gatekeeper, WorkerOptions, check_store_argument, confirm_at_exit
 from ._internals import current_worker_task, is_tracer_call, mark_tracer_call
 
 __all__ = ["GENERATION_HEADER", "SingletonTask", "gatekeeper_for", "install"]
@@ -581,6 +581,11 @@ def _connect_signals() -> None:
     signals.task_revoked.connect(_on_revoked, weak=False, dispatch_uid="singleton_tasks.revoked")
     signals.task_failure.connect(_on_failure, weak=False, dispatch_uid="singleton_tasks.failure")
     signals.worker_ready.connect(_on_worker_ready, weak=False, dispatch_uid="singleton_tasks.worker_ready")
+    # A prefork pool process ends with os._exit inside billiard's worker loop: no atexit and no
+    # multiprocessing finalizer runs there, only this signal. Sends of its tasks stay confirmed.
+    signals.worker_process_shutdown.connect(
+        _on_process_shutdown, weak=False, dispatch_uid="singleton_tasks.process_shutdown"
+    )
 
 
 def _on_worker_ready(sender: Any = None, **_: Any) -> None:
@@ -593,6 +598,10 @@ def _on_worker_ready(sender: Any = None, **_: Any) -> None:
     gatekeeper = gatekeeper_for(app)
     gatekeeper.publish_wakes = lambda wakes: _publish_wakes(app, wakes)
     gatekeeper.heartbeats.start()
+
+
+def _on_process_shutdown(**_: Any) -> None:
+    confirm_at_exit()
 
 
 _connect_signals()  # SingletonTask works without install(): the app.conf / env / default store
