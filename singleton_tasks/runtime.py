@@ -484,7 +484,9 @@ class Gatekeeper:
         done = self.store.tick_due(limit=TICK_BATCH)
         for outcome in done:
             # The scope names the task unless the declaration set a scope of its own.
-            self._log_housekeeping(outcome.scope, outcome.scope, outcome.key, outcome.evicted, outcome.removed)
+            self._log_housekeeping(
+                outcome.scope, outcome.scope, outcome.key, outcome.evicted, outcome.removed
+            )
             metrics.observe_evicted(outcome.scope, len(outcome.evicted))
             if outcome.wakes:
                 logger.info(

@@ -324,7 +324,9 @@ class SingletonTask(Task):  # type: ignore[misc]
         own copies can run it.
         """
         try:
-            return _json_payload(_signature_for(self, args, kwargs, run_id, link, link_error, shadow, options))
+            return _json_payload(
+                _signature_for(self, args, kwargs, run_id, link, link_error, shadow, options)
+            )
         except Exception as error:
             serializer = options.get("serializer") or self.serializer or self._get_app().conf.task_serializer
             if serializer != "json":
