@@ -6,10 +6,14 @@ import inspect
 import pickle
 import subprocess
 import sys
+import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import POSTGRES_URL, REDIS_URL
+from services import require_server
 
 from singleton_tasks import (
     DISABLED,
@@ -25,7 +29,7 @@ from singleton_tasks import (
 )
 from singleton_tasks.config import MAX_KEY_LENGTH
 from singleton_tasks.outcomes import RunSpec
-from singleton_tasks.stores import store_classes
+from singleton_tasks.stores import check_store_url, store_classes
 
 # ---------------------------------------------------------------------------- SingletonConfig
 
@@ -318,6 +322,98 @@ def test_unreachable_store_fails_the_first_operation_chained(url: str, options: 
         assert not isinstance(caught.value.__cause__, SingletonError)  # the driver's own error
         with pytest.raises(StoreUnavailableError):
             store.schema_version()
+    finally:
+        store.close()
+
+
+# ---------------------------------------------------------------------------- ?retention= in store URLs
+
+#: A URL of each scheme whose store is made without connecting (the cluster's client connects).
+UNCONNECTED_URLS = [
+    "memory://retention",
+    "sqlite:///retention.db",
+    "postgresql://u:secret@127.0.0.1:1/test",
+    "postgres://u:secret@127.0.0.1:1/test?connect_timeout=3",
+    "redis://u:secret@127.0.0.1:1/0",
+    "rediss://u:secret@127.0.0.1:1/0?socket_timeout=2",
+    "redis+sentinel://u:secret@127.0.0.1:1/service",
+    "rediss+sentinel://u:secret@127.0.0.1:1/service/2",
+]
+CLUSTER_URLS = ["redis+cluster://u:secret@127.0.0.1:1", "rediss+cluster://127.0.0.1:1,127.0.0.1:2"]
+
+
+def with_query(url: str, query: str) -> str:
+    return url + ("&" if "?" in url else "?") + query
+
+
+@pytest.mark.parametrize("url", UNCONNECTED_URLS)
+def test_every_scheme_takes_retention_in_its_url(url: str, tmp_path: Path) -> None:
+    url = with_query(url.replace("retention.db", str(tmp_path / "retention.db")), "retention=3.5")
+    check_store_url(url)
+    store = store_from_url(url)
+    try:
+        assert store.retention == 3.5
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("url", CLUSTER_URLS)
+def test_the_cluster_schemes_take_retention_in_their_url(url: str) -> None:
+    check_store_url(with_query(url, "retention=3.5"))  # a live cluster: tests/test_redis_cluster.py
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "abc", "", "inf", "nan", "1e400"])
+@pytest.mark.parametrize("url", [*UNCONNECTED_URLS, *CLUSTER_URLS])
+def test_a_bad_retention_in_any_url_is_refused_naming_it(url: str, value: str) -> None:
+    url = with_query(url, f"retention={value}")
+    for check in (check_store_url, store_from_url):
+        with pytest.raises(SingletonConfigError, match="retention") as caught:
+            check(url)  # the cluster's is refused before its client connects
+        assert repr(value) in str(caught.value) and "secret" not in str(caught.value)
+
+
+def test_retention_given_twice_in_a_url_is_refused() -> None:
+    with pytest.raises(SingletonConfigError, match=r"retention= is given 2 times"):
+        store_from_url("redis://127.0.0.1:1/0?retention=5&retention=5")
+
+
+@pytest.mark.parametrize("url", ["memory://both", "redis://127.0.0.1:1/0?socket_timeout=1"])
+def test_retention_as_a_keyword_and_in_the_url_must_agree(url: str) -> None:
+    assert store_from_url(with_query(url, "retention=60"), retention=60.0).retention == 60.0
+    with pytest.raises(SingletonConfigError, match="given twice") as caught:
+        store_from_url(with_query(url, "retention=60"), retention=30)
+    assert "30" in str(caught.value) and "60" in str(caught.value)
+
+
+def test_the_other_url_options_still_reach_the_sqlite_file(tmp_path: Path) -> None:
+    store = store_from_url(f"sqlite:///{tmp_path / 'kept.db'}?retention=7")
+    try:
+        store.migrate()
+        store.register(RunSpec("s", "k", "r"))
+        assert sorted(path.name for path in tmp_path.iterdir())[0] == "kept.db"
+        assert [snap.key for snap in store.snapshot()] == ["k"]
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        pytest.param(with_query(POSTGRES_URL, "application_name=kept"), marks=pytest.mark.postgres),
+        pytest.param(with_query(REDIS_URL, "client_name=kept"), marks=pytest.mark.redis),
+    ],
+)
+def test_the_other_url_options_still_reach_the_server(url: str) -> None:
+    require_server(url, url.partition(":")[0])
+    store = store_from_url(with_query(url, "retention=7"), namespace=f"r{uuid.uuid4().hex[:8]}")
+    try:
+        assert store.retention == 7.0
+        store.time()  # a call on the server: it took the URL
+        if url.startswith("redis"):
+            assert store._thread_client().client_getname() in ("kept", b"kept")  # type: ignore[attr-defined]
+        else:
+            with store._get_pool().connection() as connection:  # type: ignore[attr-defined]
+                assert connection.info.parameter_status("application_name") in ("kept", b"kept")
     finally:
         store.close()
 

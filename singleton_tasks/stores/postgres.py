@@ -24,7 +24,7 @@ except ImportError:  # pragma: no cover - the core-only install (tests/test_extr
 from ..errors import SingletonConfigError, StoreUnavailableError
 from ..gate import Timings
 from ._sql import POSTGRES, SQLCursor, SQLStore
-from .base import Clock
+from .base import Clock, pop_query_option
 
 # Pools inherited through a fork: their connections belong to the parent (closing them here
 # would end the parent's sessions), so the child only keeps them from being garbage-collected.
@@ -47,7 +47,7 @@ class PostgresStore(SQLStore):
     def check_url(cls, url: str) -> None:
         super().check_url(url)
         try:
-            psycopg.conninfo.conninfo_to_dict(url)
+            psycopg.conninfo.conninfo_to_dict(pop_query_option(url, "retention")[0])
         except psycopg.Error as error:
             raise ValueError(str(error)) from None
 
@@ -78,11 +78,13 @@ class PostgresStore(SQLStore):
             )
         if not isinstance(timeout, (int, float)) or timeout <= 0:
             raise SingletonConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        # ?retention= is the base class's: libpq refuses a parameter it does not know.
+        conninfo = pop_query_option(url, "retention")[0]
         try:
-            params = psycopg.conninfo.conninfo_to_dict(url)
+            params = psycopg.conninfo.conninfo_to_dict(conninfo)
         except psycopg.Error as error:
             raise SingletonConfigError(f"malformed PostgreSQL store URL {self.url}: {error}") from None
-        self._conninfo = url  # never shown: self.url is the redacted one
+        self._conninfo = conninfo  # never shown: self.url is the redacted one
         # Each connection attempt gives up within `timeout` too (libpq waits for the OS otherwise:
         # minutes for a host that drops packets), unless the URL sets its own connect_timeout.
         self._connect_kwargs: dict[str, Any] = (

@@ -76,8 +76,9 @@ _OPERATIONS = (
     "snapshot",
 )
 _GLOB_SPECIAL = re.compile(rb"([*?\[\]\\])")
-#: The store's own options in a Redis URL's query (the rest go to redis-py).
-STORE_QUERY_OPTIONS = ("allow_eviction", "wait_replicas", "wait_timeout_ms")
+#: The store's own options in a Redis URL's query (the rest go to redis-py); ``retention`` is
+#: every store's (read by the base class).
+STORE_QUERY_OPTIONS = ("allow_eviction", "wait_replicas", "wait_timeout_ms", "retention")
 #: How long a writing operation waits for its replicas by default (``wait_replicas`` given).
 DEFAULT_WAIT_TIMEOUT_MS = 1000
 _TRUE, _FALSE = ("true", "yes", "1", "on"), ("false", "no", "0", "off")
