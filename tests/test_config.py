@@ -418,6 +418,85 @@ def test_the_other_url_options_still_reach_the_server(url: str) -> None:
         store.close()
 
 
+# ---------------------------------------------------------------------------- timeouts
+
+REDIS_URLS = [
+    "redis://u:secret@127.0.0.1:1/0",
+    "redis+sentinel://u:secret@127.0.0.1:1/service",
+    "redis+cluster://u:secret@127.0.0.1:1",  # refused before its client connects
+]
+#: Timeouts that make every call fail: 0 at once, the others at every connect.
+FAILING_TIMEOUTS = [0, 0.0, -1, float("nan"), float("inf"), 1e300, "5", True]
+
+
+@pytest.mark.parametrize("value", FAILING_TIMEOUTS, ids=repr)
+@pytest.mark.parametrize("option", ["socket_timeout", "socket_connect_timeout"])
+@pytest.mark.parametrize("url", REDIS_URLS)
+def test_a_redis_timeout_that_fails_every_call_is_refused(url: str, option: str, value: object) -> None:
+    with pytest.raises(SingletonConfigError, match=option) as caught:
+        store_from_url(url, **{option: value})
+    assert repr(value) in str(caught.value) and "secret" not in str(caught.value)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "1e300"])
+@pytest.mark.parametrize("option", ["socket_timeout", "socket_connect_timeout"])
+@pytest.mark.parametrize("url", REDIS_URLS)
+def test_a_redis_timeout_in_the_url_that_fails_every_call_is_refused(
+    url: str, option: str, value: str
+) -> None:
+    url = with_query(url, f"{option}={value}")
+    for check in (check_store_url, store_from_url):
+        with pytest.raises(SingletonConfigError, match=option) as caught:
+            check(url)
+        assert repr(float(value)) in str(caught.value) and "secret" not in str(caught.value)
+
+
+@pytest.mark.parametrize("option", ["socket_timeout", "socket_connect_timeout"])
+def test_a_sentinel_timeout_that_fails_every_call_is_refused(option: str) -> None:
+    with pytest.raises(SingletonConfigError, match=f"sentinel_kwargs: {option}.*got 0"):
+        store_from_url("redis+sentinel://127.0.0.1:1/service", sentinel_kwargs={option: 0})
+
+
+@pytest.mark.parametrize("url", REDIS_URLS[:2])
+def test_usable_redis_timeouts_are_kept(url: str) -> None:
+    store = store_from_url(with_query(url, "socket_timeout=2.5"), socket_connect_timeout=None)
+    try:
+        kwargs = store._client.connection_pool.connection_kwargs  # type: ignore[attr-defined]
+        # The URL's timeout, not the store's 5 s default over it (the Sentinel client preferred it).
+        assert (kwargs["socket_timeout"], kwargs["socket_connect_timeout"]) == (2.5, None)
+    finally:
+        store.close()
+
+
+def test_wait_timeout_ms_is_checked_against_a_socket_timeout_in_the_url() -> None:
+    with pytest.raises(SingletonConfigError, match=r"wait_timeout_ms=1000 must be shorter.*0\.5s"):
+        store_from_url("redis://127.0.0.1:1/0?socket_timeout=0.5&wait_replicas=1")
+
+
+@pytest.mark.parametrize("value", [0, -1, float("nan"), float("inf"), True, "5"], ids=repr)
+def test_a_postgres_timeout_that_fails_every_call_is_refused(value: object) -> None:
+    with pytest.raises(SingletonConfigError, match="timeout") as caught:
+        store_from_url("postgresql://u:secret@127.0.0.1:1/test", timeout=value)
+    assert repr(value) in str(caught.value) and "secret" not in str(caught.value)
+
+
+@pytest.mark.parametrize("value", ["abc", "1e400", "nan", ""])
+def test_a_postgres_connect_timeout_that_fails_every_connection_is_refused(value: str) -> None:
+    url = f"postgresql://u:secret@127.0.0.1:1/test?connect_timeout={value}"
+    for check in (check_store_url, store_from_url):
+        with pytest.raises(SingletonConfigError, match="connect_timeout") as caught:
+            check(url)
+        assert repr(value) in str(caught.value) and "secret" not in str(caught.value)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "2.5", "10"])
+def test_a_postgres_connect_timeout_psycopg_reads_is_accepted(value: str) -> None:
+    """0 or less is psycopg's own default (130 s), not an error: nothing fails because of it."""
+    url = f"postgresql://127.0.0.1:1/test?connect_timeout={value}"
+    check_store_url(url)
+    store_from_url(url).close()
+
+
 # ---------------------------------------------------------------------------- SingletonQueueFullError
 
 

@@ -28,7 +28,7 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from importlib import resources
 from typing import Any, NoReturn
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -226,6 +226,26 @@ def _flag(name: str, value: object, where: str) -> bool:
     raise SingletonConfigError(f"{where}: {name} must be true or false, got {value!r}")
 
 
+#: redis-py's timeouts, in seconds: 0 makes every call fail at once, a negative, non-finite or
+#: huge one fails every connect (Python's socket timeouts end at int64 nanoseconds).
+TIMEOUT_OPTIONS = ("socket_timeout", "socket_connect_timeout")
+_MAX_TIMEOUT = 1e9
+
+
+def check_timeouts(options: Mapping[str, object], where: str) -> None:
+    """SingletonConfigError naming the option and its value when a timeout would fail every call
+    (None, no timeout, is allowed)."""
+    for name in TIMEOUT_OPTIONS:
+        value = options.get(name)
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= _MAX_TIMEOUT
+        ):
+            raise SingletonConfigError(
+                f"{where}: {name} must be a number of seconds above 0 and at most {_MAX_TIMEOUT:g} "
+                f"(or None: no timeout), got {value!r}"
+            )
+
+
 def _count(name: str, value: object, where: str) -> int:
     """A whole number ≥ 1 (digits in a URL)."""
     number = value
@@ -330,7 +350,9 @@ class RedisStore(Store):
         store_options(url, {})  # the store's own options (allow_eviction, wait_replicas, ...)
         node_url = cls._node_url(split_store_options(url)[0])
         super().check_url(node_url)
-        redis.connection.parse_url(node_url)  # type: ignore[no-untyped-call]  # ValueError: a bad option
+        # ValueError: a bad option
+        url_options = redis.connection.parse_url(node_url)  # type: ignore[no-untyped-call]
+        check_timeouts(url_options, f"Redis store {redact_url(url)}")
 
     @staticmethod
     def _node_url(url: str) -> str:
@@ -374,17 +396,26 @@ class RedisStore(Store):
         if redis_options.get("decode_responses"):
             raise SingletonConfigError(f"{self!r}: decode_responses is not supported (payloads are bytes)")
         try:
-            # A hung server must fail an operation (StoreUnavailableError), not block it forever.
-            redis_options.setdefault("socket_timeout", 5.0)
-            redis_options.setdefault("socket_connect_timeout", 5.0)
+            node_url = self._node_url(split_store_options(url)[0])
+            url_options = redis.connection.parse_url(node_url)  # type: ignore[no-untyped-call]
+            check_timeouts(redis_options, repr(self))
+            check_timeouts(url_options, f"{self!r} (URL)")
+            for name in TIMEOUT_OPTIONS:
+                if name not in url_options:  # the URL's own stays (the Sentinel client prefers keywords)
+                    # A hung server must fail an operation (StoreUnavailableError), not block it forever.
+                    redis_options.setdefault(name, 5.0)
             self._client: redis.Redis = self._connect(split_store_options(url)[0], redis_options)
+        except SingletonConfigError:
+            raise
         except (ValueError, TypeError) as error:
             # The driver's message may quote the URL: never let it show the password.
             detail, password = str(error), _password(url)
             if password and password in detail:
                 detail = type(error).__name__
             raise SingletonConfigError(f"invalid Redis store {self.url}: {detail}") from None
-        socket_timeout = redis_options.get("socket_timeout")
+        # Given both ways, redis-py takes the URL's and the Sentinel client the keyword: the shorter counts.
+        given = [t for t in (url_options.get("socket_timeout"), redis_options.get("socket_timeout")) if t]
+        socket_timeout = min(given, default=None)
         if (
             self._wait is not None
             and socket_timeout
