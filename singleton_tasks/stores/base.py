@@ -284,6 +284,25 @@ class Store(abc.ABC):
         """
         return 0
 
+    def check_health(self) -> None:
+        """Check again a condition of the server that the store checked before its first operation
+        and that can change while it runs (the Redis store: an ``allkeys-*`` eviction policy).
+
+        A worker's heartbeat thread calls it once per heartbeat interval; a producer that runs
+        no worker is checked at first use only. A store that finds such a condition raises the
+        error its first operation would have raised, and remembers it: until a later call finds
+        the condition gone, every registration and claim raises that error as well (a new
+        exception each time) and writes nothing, while the calls that confirm, extend or settle
+        runs already admitted go on, so those runs keep their slots and finish. Keep the cost
+        on the operations' path to an attribute check.
+
+        Raises:
+            SingletonConfigError: the condition found; remembered until a call finds it gone.
+            StoreUnavailableError: the server did not answer; what was remembered stays.
+
+        The default checks nothing.
+        """
+
     def close(self) -> None:
         """Release connections."""
 

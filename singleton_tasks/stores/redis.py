@@ -75,6 +75,8 @@ _OPERATIONS = (
     "release",
     "snapshot",
 )
+#: The operations a refusal found by check_health stops: those that let a new run in.
+_ADMITTING = frozenset({"register", "claim"})
 _GLOB_SPECIAL = re.compile(rb"([*?\[\]\\])")
 #: The store's own options in a Redis URL's query (the rest go to redis-py); ``retention`` is
 #: every store's (read by the base class).
@@ -427,6 +429,9 @@ class RedisStore(Store):
             )
         # The server's eviction policy and replicas, checked at first use (once per store).
         self._server_checked = False
+        # The refusal check_health found (an allkeys-* policy set at runtime): registrations and
+        # claims raise it until a check passes again.
+        self._refusal: str | None = None
         self._server_check_lock = threading.Lock()
         self._scripts: dict[str, Script] = {
             name: self._client.register_script(text) for name, text in _load_scripts().items()
@@ -485,13 +490,9 @@ class RedisStore(Store):
                 "memory pressure and two runs of one key can then hold it at once: use noeviction",
                 self,
             )
-        elif policy.startswith("allkeys-") and not self.options.allow_eviction:
-            raise SingletonConfigError(
-                f"{self!r}: the server's maxmemory-policy is {policy}: under memory pressure Redis "
-                "would evict the store's keys (a running holder's slot, the key's token) and admit a "
-                "second run of a key while the first runs. Set maxmemory-policy noeviction, or give "
-                "the store a dedicated Redis; allow_eviction=true accepts that risk. Nothing was written"
-            )
+        refusal = self._eviction_refusal(policy)
+        if refusal is not None:
+            raise SingletonConfigError(refusal)
         if self._wait is not None:
             wait_replicas = self.options.wait_replicas or 0
             replicas = int(client.info("replication").get("connected_slaves", 0))
@@ -500,6 +501,34 @@ class RedisStore(Store):
                     f"{self!r}: wait_replicas={wait_replicas} but the primary has {replicas} connected "
                     "replica(s): every write would fail. Nothing was written"
                 )
+
+    def _eviction_refusal(self, policy: str | None) -> str | None:
+        """Why the store refuses a server evicting by ``policy``; None: it does not."""
+        if policy is None or not policy.startswith("allkeys-") or self.options.allow_eviction:
+            return None
+        return (
+            f"{self!r}: the server's maxmemory-policy is {policy}: under memory pressure Redis "
+            "would evict the store's keys (a running holder's slot, the key's token) and admit a "
+            "second run of a key while the first runs. Set maxmemory-policy noeviction, or give "
+            "the store a dedicated Redis; allow_eviction=true accepts that risk. Nothing was written"
+        )
+
+    def check_health(self) -> None:
+        """Read every server's eviction policy again (:meth:`Store.check_health`).
+
+        An ``allkeys-*`` policy set while the store runs (``CONFIG SET``) is refused as at first
+        use, by this call and by every registration and claim until a call finds it changed back.
+        """
+        try:
+            policies = [self._eviction_policy(server) for server in self._servers()]
+        except redis.exceptions.RedisError as error:
+            self._fail(error)
+        refusal = next(filter(None, map(self._eviction_refusal, policies)), None)
+        if refusal is None and self._refusal is not None:
+            logger.warning("%r: the server's maxmemory-policy is accepted again: runs are admitted", self)
+        self._refusal = refusal
+        if refusal is not None:
+            raise SingletonConfigError(refusal)
 
     @staticmethod
     def _eviction_policy(client: redis.Redis) -> str | None:
@@ -698,6 +727,8 @@ class RedisStore(Store):
 
     def _key_op(self, name: str, scope: str, key: str, run_id: str, *args: bytes) -> Any:
         """A per-key script: lib.lua's KEYS and ARGV layout, then ``args``."""
+        if self._refusal is not None and name in _ADMITTING:
+            raise SingletonConfigError(self._refusal)  # a new error: its traceback is this call's
         return self._eval(name, 7, *self._key_args(scope, key, run_id, *args))
 
     def _key_args(self, scope: str, key: str, run_id: str, *args: bytes) -> tuple[bytes, ...]:
