@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import POSTGRES_URL, REDIS_URL
+from conftest import POSTGRES_URL, REDIS_URL, StoreFactory
 from services import require_server
 
 from singleton_tasks import (
@@ -29,6 +29,7 @@ from singleton_tasks import (
 )
 from singleton_tasks.config import MAX_KEY_LENGTH
 from singleton_tasks.outcomes import RunSpec
+from singleton_tasks.runtime import Gatekeeper
 from singleton_tasks.stores import check_store_url, store_classes
 
 # ---------------------------------------------------------------------------- SingletonConfig
@@ -198,6 +199,44 @@ def test_template_yielding_an_unusable_key() -> None:
 def test_keys_up_to_512_characters_are_fine() -> None:
     assert bind(lambda *a, **k: "x" * MAX_KEY_LENGTH).derive_key((7,), {}) == "x" * 512
     assert bind("{region}").derive_key((7, "🦄" * 512), {}) == "🦄" * 512
+
+
+#: What os.listdir() gives for a file name that is not UTF-8: no store can hold it.
+UNSTORABLE = "report-\udcff.csv"
+
+
+def test_a_key_utf_8_cannot_encode_is_refused_naming_the_task_and_the_key() -> None:
+    for bound, args in ((bind("{region}"), (7, UNSTORABLE)), (bind(lambda *a, **k: UNSTORABLE), (7,))):
+        with pytest.raises(SingletonKeyError) as caught:
+            bound.derive_key(args, {})
+        message = str(caught.value)
+        assert "tasks.sync" in message and repr(UNSTORABLE) in message and "position 7" in message
+
+
+def test_a_scope_utf_8_cannot_encode_is_refused_at_declaration() -> None:
+    with pytest.raises(SingletonConfigError, match=r"scope 'tasks\\udcff'"):
+        SingletonConfig(key="k", scope="tasks\udcff")
+    with pytest.raises(SingletonConfigError, match=r"^tasks\.sync: singleton scope"):
+        SingletonConfig.coerce({"key": "k", "scope": "\udcff"}, task_name="tasks.sync")
+    # Without a scope the task's name is the scope: it must be storable too.
+    with pytest.raises(SingletonConfigError, match=r"the task's name, its singleton scope"):
+        BoundSingleton.bind(SingletonConfig(key="k"), task_name="tasks.\udcff", signature=None)
+
+
+def test_a_namespace_utf_8_cannot_encode_is_refused() -> None:
+    with pytest.raises(SingletonConfigError, match=r"namespace 'ns\\udcff'"):
+        store_from_url("memory://", namespace="ns\udcff")
+
+
+def test_an_unstorable_key_is_refused_alike_on_every_store(store_factory: StoreFactory) -> None:
+    """Derived before any store is called: SQLite and PostgreSQL would raise an untyped
+    UnicodeEncodeError, memory and Redis would store it."""
+    store = store_factory()
+    gatekeeper = Gatekeeper(store)
+    for bound in (bind("{region}"), bind(lambda store_id, region="eu", dry_run=False: region)):
+        with pytest.raises(SingletonKeyError, match=r"tasks\.sync.*report-\\udcff\.csv"):
+            gatekeeper.register(bound, gatekeeper.spec(bound, "r1", (7, UNSTORABLE), {}))
+    assert store.snapshot() == []
 
 
 def test_key_function_gets_the_tasks_own_arguments() -> None:

@@ -13,6 +13,7 @@ from typing import ClassVar
 from urllib.parse import unquote_plus, urlsplit, urlunsplit
 
 from .. import gate
+from ..config import check_storable
 from ..errors import SingletonConfigError
 from ..gate import KeyMeta, KeyTransaction, RunRecord, Timings
 from ..outcomes import (
@@ -103,7 +104,7 @@ def check_namespace(namespace: str) -> str:
         raise SingletonConfigError(
             f"store namespace must be a non-empty str without braces, colons or newlines, got {namespace!r}"
         )
-    return namespace
+    return check_storable(namespace, "store namespace")
 
 
 class Store(abc.ABC):
