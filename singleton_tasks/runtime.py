@@ -661,6 +661,9 @@ class _Heartbeater:
         except SingletonConfigError as error:
             # Each interval while it lasts, without a traceback: the message names the fix.
             logger.error("the store admits no new runs: %s", error)
+        except StoreUnavailableError as error:
+            # An outage is the beat's and the operations' to report: not twice per interval.
+            logger.debug("the store's health check failed: %s", error)
 
     def _loop(self) -> None:
         beaten_at = time.monotonic()

@@ -271,6 +271,22 @@ def test_the_heartbeat_thread_checks_the_policy_each_interval(
         store.close()
 
 
+def test_a_health_check_the_server_does_not_answer_is_not_logged_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An outage is reported by the heartbeats and the operations: the check adds no traceback."""
+    store = store_from_url("redis://127.0.0.1:1/0", namespace=_namespace())
+    gatekeeper = Gatekeeper(store)
+    try:
+        with caplog.at_level(logging.DEBUG, "singleton_tasks"):
+            gatekeeper.heartbeats.check_health()
+        assert all(r.levelno < logging.WARNING for r in caplog.records), caplog.records
+        assert any("health check failed" in r.getMessage() for r in caplog.records)
+    finally:
+        gatekeeper.close()
+        store.close()
+
+
 @pytest.mark.parametrize("framework", ["dramatiq", "celery"])
 def test_sends_are_refused_while_a_runtime_policy_evicts(switching: RedisProcess, framework: str) -> None:
     store = store_from_url(switching.url, namespace=_namespace())
