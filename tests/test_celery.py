@@ -719,6 +719,24 @@ def test_key_errors_at_delay_raise_and_publish_nothing(store: Store) -> None:
     assert queued(app) == 0 and runs_of(store) == []
 
 
+def test_a_key_no_store_can_hold_fails_the_delay_and_publishes_nothing(store: Store) -> None:
+    """A lone surrogate (os.listdir() of a name that is not UTF-8): refused alike on every store."""
+    app = make_app(store)
+    name = "\udcff.csv"
+
+    @app.task(base=SingletonTask, singleton={"key": "report-{name}"}, name=unique(), shared=False)
+    def templated(name: str) -> None: ...
+
+    @app.task(base=SingletonTask, singleton={"key": lambda name: name}, name=unique(), shared=False)
+    def called(name: str) -> None: ...
+
+    for task, key in ((templated, "report-" + name), (called, name)):
+        with pytest.raises(SingletonKeyError) as caught:
+            task.delay(name)
+        assert task.name in str(caught.value) and repr(key) in str(caught.value)
+    assert queued(app) == 0 and runs_of(store) == []
+
+
 def test_a_send_task_message_with_a_bad_key_fails_once(store: Store) -> None:
     app = make_app(store)
     name = unique()

@@ -628,6 +628,20 @@ def test_key_errors_at_send_and_at_processing(
     assert env.journal.attempts == []
 
 
+def test_a_key_no_store_can_hold_fails_the_send_and_publishes_nothing(make_env: Callable[..., Env]) -> None:
+    """A lone surrogate (os.listdir() of a name that is not UTF-8): refused alike on every store."""
+    env = make_env()
+    name = "report-\udcff.csv"
+    templated = env.job("templated")  # key "{key}"
+    called = env.job("called", singleton={"key": lambda key, label, sleep=0.0: key})
+    for actor in (templated, called):
+        with pytest.raises(SingletonKeyError) as caught:
+            actor.send(name, "unstorable")
+        assert isinstance(caught.value, MiddlewareError)
+        assert actor.actor_name in str(caught.value) and repr(name) in str(caught.value)
+    assert env.probe.published == [] and env.keys() == []
+
+
 def test_singleton_actor_without_middleware_fails_at_send() -> None:
     broker = StubBroker()
 

@@ -48,7 +48,7 @@ from ..config import (
     BoundSingleton,
     SingletonConfig,
 )
-from ..errors import SingletonKeyError, SingletonPayloadError, StoreUnavailableError
+from ..errors import SingletonConfigError, SingletonKeyError, SingletonPayloadError, StoreUnavailableError
 from ..outcomes import Decision, Registered, RegisterOutcome, RunSpec, Wake
 from ..runtime import GENERATION_FIELD, Gatekeeper, WorkerOptions, check_store_argument, confirm_at_exit
 from ._internals import current_worker_task, is_tracer_call, mark_tracer_call
@@ -426,6 +426,10 @@ class SingletonTask(Task):  # type: ignore[misc]
             logger.warning(
                 "store unavailable at the gate: %s run %s deferred", self.name, task_id, exc_info=True
             )
+            self._defer(request, delivery.generation, gatekeeper.deferral_delay(None, spec.limit))
+        except SingletonConfigError as error:
+            # A refusal the store lifts once fixed (Store.check_health): deferred as in an outage.
+            logger.error("the store refuses %s run %s at the gate (deferred): %s", self.name, task_id, error)
             self._defer(request, delivery.generation, gatekeeper.deferral_delay(None, spec.limit))
         _publish_wakes(self._get_app(), outcome.wakes)
         if outcome.decision is Decision.ADMITTED:
