@@ -333,7 +333,8 @@ class SingletonTask(Task):  # type: ignore[misc]
                 logger.debug("%s run %s has no payload for a wake", self.name, run_id, exc_info=True)
                 return None
             raise SingletonPayloadError(
-                f"{self.name} run {run_id}: its arguments cannot be encoded as JSON ({error}); nothing was sent"
+                f"{self.name} run {run_id}: its arguments cannot be encoded as JSON ({error}); "
+                "nothing was sent"
             ) from error
 
     def _register_unconfirmed(
