@@ -1137,7 +1137,9 @@ def test_a_run_with_its_own_countdown_is_not_held_back(store: Store, journal: Jo
 
 
 # -- the line keeps every run (docs/concepts.md#the-line) ---------------------------------------
-def test_an_argument_json_cannot_carry_fails_the_delay_and_leaves_no_trace(store: Store, journal: Journal) -> None:
+def test_an_argument_json_cannot_carry_fails_the_delay_and_leaves_no_trace(
+    store: Store, journal: Journal
+) -> None:
     """Encoded before anything is written: a typed error, nothing registered or published."""
     app = make_app(store)
 
@@ -1154,7 +1156,9 @@ def test_an_argument_json_cannot_carry_fails_the_delay_and_leaves_no_trace(store
         assert job.delay("next").get(interval=0.01, timeout=10) == "next"
 
 
-def test_a_run_whose_every_copy_was_lost_is_issued_again_by_the_worker(store: Store, journal: Journal) -> None:
+def test_a_run_whose_every_copy_was_lost_is_issued_again_by_the_worker(
+    store: Store, journal: Journal
+) -> None:
     """A purged queue: the store still has the run and its payload; the worker's heartbeat thread
     (in its main process) issues it again once it owns the free slot and nothing of it came for
     orphan_timeout + re-check, and it runs once."""

@@ -1001,7 +1001,9 @@ def test_worker_refuses_to_start_on_an_incompatible_schema(store_factory: StoreF
 
 
 # -- the line keeps every run (docs/concepts.md#the-line) ---------------------------------------
-def test_an_argument_json_cannot_carry_fails_the_send_and_leaves_no_trace(make_env: Callable[..., Env]) -> None:
+def test_an_argument_json_cannot_carry_fails_the_send_and_leaves_no_trace(
+    make_env: Callable[..., Env],
+) -> None:
     """Encoded before anything is written: a typed error, nothing registered, nothing published,
     and the next run of the key is not held up by anything."""
     env = make_env()
