@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from conftest import REDIS_URL, require_server
+from redis_servers import as_written_by_version_3
 
 from singleton_tasks.errors import SingletonConfigError, StoreUnavailableError
 from singleton_tasks.gate import Timings, _optional_float
@@ -728,3 +729,44 @@ def test_migrate_from_version_2_indexes_the_busy_keys(namespace: str) -> None:
     assert [s.key for s in store.snapshot()] == ["held", "queued"]
     store.close()
 
+
+def test_migrate_from_version_3_keeps_every_run_and_makes_the_busy_keys_due(namespace: str) -> None:
+    """Version 4 replaces each run's passed_over_at by reissue_at (same value), indexes the
+    unconfirmed waiters instead of the overdue ones, and lists every busy key as due at once:
+    the first tick recomputes its due_at by the new rules."""
+    from singleton_tasks.errors import SchemaVersionError
+
+    store = RedisStore(REDIS_URL, namespace=namespace, clock=ManualClock(1000.0))
+    store.migrate()
+    keys = [("s", "held"), ("s", "queued"), ("s", "idle")]
+    at(store, 1000.0).claim(RunSpec("s", "held", "h"), 0, None)
+    at(store, 1001.0).claim(RunSpec("s", "held", "w"), 0, b"w")
+    at(store, 1002.0).register(RunSpec("s", "queued", "q"), payload=b"q", confirmed=False)
+    at(store, 1003.0).register(RunSpec("s", "queued", "c"), payload=b"c")
+    idle = at(store, 1003.0).claim(RunSpec("s", "idle", "i"), 0, None)
+    assert at(store, 1003.0).release("s", "idle", "i", token=idle.token).released
+    before = {key: runs for key, (_counters, runs) in _redis_state(store, keys).items()}
+    as_written_by_version_3(store)
+    prefix = store._prefix("s", "queued")
+    assert store._client.zrange(prefix + b"overdue", 0, -1) == [b"q", b"c"]
+    store.set_schema_version_for_tests(3)
+    with pytest.raises(SchemaVersionError, match="migrate"):
+        store.check_schema()
+    for _ in range(2):  # running it again changes nothing
+        store.migrate()
+        store.check_schema()
+        assert not store._client.exists(prefix + b"overdue")
+        state = _redis_state(store, keys)  # checks the unconfirmed and the due index too
+        assert {key: runs for key, (_counters, runs) in state.items()} == before
+        assert {key: counters[3] for key, (counters, _runs) in state.items()} == {
+            ("s", "held"): 0.0,
+            ("s", "queued"): 0.0,
+        }
+    assert store._client.zrange(prefix + b"unconfirmed", 0, -1) == [b"q"]
+    done = at(store, 1004.0).tick_due()
+    assert sorted((d.scope, d.key) for d in done) == [("s", "held"), ("s", "queued")]
+    assert all(not (d.wakes or d.evicted or d.removed) for d in done)
+    assert at(store, 1004.0).tick_due() == []  # due again when a rule says so, not at once
+    state = _redis_state(store, keys)
+    assert all(counters[3] is not None and counters[3] > 1004.0 for counters, _runs in state.values())
+    store.close()

@@ -80,6 +80,7 @@ _OPERATIONS = (
     "release",
     "snapshot",
     "tick",
+    "migrate",
 )
 _GLOB_SPECIAL = re.compile(rb"([*?\[\]\\])")
 #: The store's own options in a Redis URL's query (the rest go to redis-py).
@@ -960,16 +961,24 @@ class RedisStore(Store):
         return None if value is None else int(value)
 
     def migrate(self) -> None:
-        """Record the schema version; from version 2 or older, first build the busy-key index.
+        """Record the schema version; from version 2 or older, first build the busy-key index;
+        from version 3 or older, then bring each busy key to version 4.
 
         Versions 1 and 2 kept no index: every key with a holders or a waiters zset is added to
         it, found by one ``SCAN`` of the database (run it with the workers drained, as every
         upgrade: a key that goes idle during the scan may stay listed, and is then skipped by
-        ``inspect`` until its next call removes it). Running it again is harmless.
+        ``inspect`` until its next call removes it). Version 4 (``migrate.lua``, one call per
+        busy key) renames each run's ``passed_over_at`` to ``reissue_at``, indexes the
+        unconfirmed waiters, drops the ``overdue`` zset and makes the key due at once: the first
+        heartbeat's :meth:`tick_due` recomputes its ``due_at``. Running it again is harmless.
         """
         found = self.schema_version()
         if found is not None and found < SCHEMA_VERSION:
-            self._index_busy_keys()
+            if found < 3:
+                self._index_busy_keys()
+            if found < 4:
+                for tag in self._busy_tags():
+                    self._eval("migrate", 8, *self._tag_args(tag, b"", b"", b""))
         self._write_schema_version(SCHEMA_VERSION)
 
     def _index_busy_keys(self) -> None:
