@@ -397,11 +397,13 @@ def _hand_on(
     owners = 0
     if free > 0:
         for run in _waiters(tx):
-            if run.run_id != skip and run.confirmed and run.payload is not None:
+            if run.run_id != skip and run.confirmed:
                 if run.state is RunState.GATED:
+                    # Without a payload (Celery arguments JSON cannot carry) the wake is not
+                    # published: its deferred copy re-checks it.
                     wakes.append(_issue(run, now, scope, key))
                     tx.save_run(run)
-                elif run.reissue_at is not None and run.reissue_at <= now:
+                elif run.payload is not None and run.reissue_at is not None and run.reissue_at <= now:
                     if now - run.seen_at > timings.retention:
                         tx.delete_run(run.run_id)
                         done.removed.append(run.run_id)

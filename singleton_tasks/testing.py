@@ -89,7 +89,7 @@ def spec(
     recheck: float = 0.0,
 ) -> RunSpec:
     """A run's spec; ``recheck`` (the worker's longest re-check delay) is 0 unless a test needs it,
-    so a waiter unseen for ``orphan`` seconds is passed over."""
+    so a slot owner unseen for ``orphan`` seconds is issued again."""
     return RunSpec(
         scope=scope,
         key=key,
@@ -153,8 +153,16 @@ def waiters(store: Store, now: float, *, key: str = KEY, scope: str = SCOPE) -> 
     return [w.run_id for w in snap.waiters]
 
 
-def registered(store: Store, run: RunSpec, now: float, *, confirmed: bool = True) -> None:
-    outcome = at(store, now).register(run, confirmed=confirmed)
+def registered(
+    store: Store,
+    run: RunSpec,
+    now: float,
+    *,
+    confirmed: bool = True,
+    payload: bytes | None = None,
+    delay: float = 0.0,
+) -> None:
+    outcome = at(store, now).register(run, payload=payload, delay=delay, confirmed=confirmed)
     assert outcome.status is Registered.REGISTERED, (run.run_id, outcome)
 
 
@@ -386,39 +394,34 @@ class _RegistrationRules(_Contract):
         assert at(store, T0 + 2).confirm_many([]) == []
         confirmed = {w.run_id: w.confirmed for snap in at(store, T0 + 2).snapshot() for w in snap.waiters}
         assert confirmed == {"r1": True, "r2": True, "r3": True, "r4": True, "r5": True, "r6": False}
-        # Past the grace the unconfirmed r6 is passed over; the confirmed r3 still counts.
+        # Past the grace the unconfirmed r6 counts no more (it is dropped); the confirmed r3 counts.
         assert waiters(store, T0 + 8, key="k0") == ["r3", "r6"]
         assert at(store, T0 + 8).register(spec("late", key="k0", depth=1)).status is Registered.FULL
         assert at(store, T0 + 8).register(spec("late", key="k0", depth=2)).status is Registered.REGISTERED
+        assert waiters(store, T0 + 8, key="k0") == ["r3", "late"]
 
-    def test_unpublished_registrations_are_passed_over_after_grace(self, make_store: StoreFactory) -> None:
+    def test_unpublished_registrations_are_dropped_after_grace(self, make_store: StoreFactory) -> None:
         store = make_store(timings=Timings(registration_grace=5.0, retention=1000.0))
-        registered(store, spec("ghost", depth=0), T0, confirmed=False)
+        registered(store, spec("ghost", depth=0), T0, confirmed=False, payload=b"ghost")
         # Within the grace the registration counts: it may still be published.
         full = at(store, T0 + 1).register(spec("r", depth=0))
         assert (full.status, full.in_flight) == (Registered.FULL, 1)
-        # After it, it no longer counts nor blocks the line, but it is kept (passed over).
+        # After it, its message was never published: it is dropped, never issued, never run.
         accepted = at(store, T0 + 6).register(spec("r", depth=0))
         assert (accepted.status, accepted.in_flight) == (Registered.REGISTERED, 1)
-        admitted(store, spec("r", depth=0), 0, T0 + 6)
-        snap = one_key(store, T0 + 6)
-        assert snap is not None and [(w.run_id, w.passed_over_at) for w in snap.waiters] == [
-            ("ghost", T0 + 5)
-        ]
-        # Passed over for retention more, it is removed by the next call on its key.
-        assert at(store, T0 + 1005).claim(spec("r"), 0, None).removed == ()
-        assert at(store, T0 + 1005.5).claim(spec("r"), 0, None).removed == ("ghost",)
-        assert waiters(store, T0 + 1006) == []
-        # Another key: a ghost within the grace is ahead in line; a confirmed one is not one.
+        outcome = at(store, T0 + 6).claim(spec("r", depth=0), 0, None)
+        assert outcome.decision is Decision.ADMITTED and outcome.wakes == () and outcome.removed == ()
+        assert waiters(store, T0 + 6) == [] and at(store, T0 + 1e6).tick_due() == []
+        # Another key: a registration within its grace holds its place in line; past it, the
+        # next call on the key drops it and the line moves on.
         registered(store, spec("ghost2", key="k2"), T0, confirmed=False)
         registered(store, spec("kept", key="k2"), T0, confirmed=False)
         registered(store, spec("r2", key="k2"), T0 + 1)
         assert at(store, T0 + 2).confirm(SCOPE, "k2", "kept")
         generation = gated(store, spec("r2", key="k2"), 0, T0 + 2, position=3).generation
-        assert generation is not None
-        generation = gated(store, spec("r2", key="k2"), generation, T0 + 10, position=3).generation
-        assert waiters(store, T0 + 10, key="k2") == ["ghost2", "kept", "r2"]
-        assert generation is not None
+        assert generation is not None and waiters(store, T0 + 2, key="k2") == ["ghost2", "kept", "r2"]
+        generation = gated(store, spec("r2", key="k2"), generation, T0 + 10, position=2).generation
+        assert waiters(store, T0 + 10, key="k2") == ["kept", "r2"]
         admitted(store, spec("kept", key="k2"), 0, T0 + 11)
 
     def test_late_delivery_of_an_unconfirmed_registration_keeps_its_place(
@@ -527,12 +530,12 @@ class _HandoffRules(_Contract):
         # live as the fallback, so whichever copy comes first runs it, once.
         store = make_store()
         h, w, x = spec("h"), spec("w"), spec("x")
-        for i, run in enumerate((h, w, x)):
-            registered(store, run, T0 + i)
-        token = admitted(store, h, 0, T0 + 3)
         payload = b"\x00w\xff held back"
-        assert at(store, T0 + 4).park(SCOPE, KEY, "w", payload) == ()
-        assert at(store, T0 + 4).park(SCOPE, KEY, "x", b"x") == ()
+        for i, (run, sent) in enumerate(((h, b"h"), (w, payload), (x, b"x"))):
+            registered(store, run, T0 + i, confirmed=False, payload=sent)
+        token = admitted(store, h, 0, T0 + 3)
+        assert at(store, T0 + 4).park(SCOPE, KEY, "w") == ()
+        assert at(store, T0 + 4).park(SCOPE, KEY, "x") == ()
         snap = one_key(store, T0 + 4)
         assert snap is not None and [(v.run_id, v.state) for v in snap.waiters] == [
             ("w", RunState.GATED),
@@ -552,37 +555,40 @@ class _HandoffRules(_Contract):
         store = make_store()
         h, w = spec("h"), spec("w")
         registered(store, h, T0)
-        registered(store, w, T0 + 1, confirmed=False)
+        registered(store, w, T0 + 1, confirmed=False, payload=b"w")
         token = admitted(store, h, 0, T0 + 2)
         release = at(store, T0 + 3).release(SCOPE, KEY, "h", token=token)
         assert release.released and release.wakes == ()  # w is pending: its own copy will come
-        wake = the_wake(at(store, T0 + 4).park(SCOPE, KEY, "w", b"w"), "w")
+        wake = the_wake(at(store, T0 + 4).park(SCOPE, KEY, "w"), "w")
         assert wake.payload == b"w"
         admitted(store, w, wake.generation, T0 + 5)
-        # Parking confirmed it: it is no ghost once the grace has passed.
+        # Parking confirmed it: it is not dropped once the grace has passed.
         assert holders(store, T0 + 600) == ["w"]
 
     def test_only_a_pending_registration_is_parked(self, make_store: StoreFactory) -> None:
         store = make_store()
         h, w = spec("h"), spec("w")
-        registered(store, h, T0)
-        registered(store, w, T0 + 1)
+        registered(store, h, T0, payload=b"h")
+        registered(store, w, T0 + 1, payload=b"sent")
         token = admitted(store, h, 0, T0 + 2)
-        assert at(store, T0 + 3).park(SCOPE, KEY, "h", b"h") == ()  # a holder
+        assert at(store, T0 + 3).park(SCOPE, KEY, "h") == ()  # a holder
         assert holders(store, T0 + 3) == ["h"]
         deferred = gated(store, w, 0, T0 + 3, b"delivered", position=1).generation
-        assert at(store, T0 + 4).park(SCOPE, KEY, "w", b"parked") == ()  # delivered already
-        assert at(store, T0 + 4).park(SCOPE, KEY, "nobody", b"n") == ()
+        assert at(store, T0 + 4).park(SCOPE, KEY, "w") == ()  # delivered already
+        assert at(store, T0 + 4).park(SCOPE, KEY, "nobody") == ()
         wake = the_wake(at(store, T0 + 5).release(SCOPE, KEY, "h", token=token).wakes, "w")
         assert wake.payload == b"delivered"
         assert deferred is not None
         assert waiters(store, T0 + 6) == ["w"]
         # A failed publish is undone before any park: the park then finds nothing to park.
         x = spec("x")
-        registered(store, x, T0 + 7)
+        registered(store, x, T0 + 7, payload=b"x")
         assert at(store, T0 + 8).unregister(SCOPE, KEY, "x")
-        assert at(store, T0 + 9).park(SCOPE, KEY, "x", b"x") == ()
+        assert at(store, T0 + 9).park(SCOPE, KEY, "x") == ()
         assert waiters(store, T0 + 9) == ["w"]
+        # A run registered without a payload cannot be parked: only its own copy can run it.
+        registered(store, spec("bare"), T0 + 10)
+        assert at(store, T0 + 11).park(SCOPE, KEY, "bare") == ()
 
     def test_stale_copies_dropped_and_redriven_copy_queues(self, make_store: StoreFactory) -> None:
         store = make_store()
@@ -853,7 +859,7 @@ class _LeaseRules(_Contract):
             assert outcome.evicted == ("o",), case
             assert the_wake(outcome.wakes, "w").payload == b"w", case
 
-    def test_orphan_timeout_none_never_evicts_nor_passes_over(self, make_store: StoreFactory) -> None:
+    def test_orphan_timeout_none_never_evicts_nor_issues_again(self, make_store: StoreFactory) -> None:
         store = make_store()
         h = spec("h", lease=10.0, orphan=None)
         w = spec("w", lease=10.0, orphan=None)
@@ -865,21 +871,6 @@ class _LeaseRules(_Contract):
         # A waiter never delivered keeps its place forever too.
         registered(store, spec("p", key="k2", orphan=None), T0)
         gated(store, spec("q", key="k2", orphan=None), 0, T0 + 1e6, position=2)
-
-    def test_undelivered_waiter_passed_over_then_restored(self, make_store: StoreFactory) -> None:
-        store = make_store()
-        a, b, c = (spec(name, orphan=100.0) for name in "abc")
-        registered(store, a, T0)  # its message is lost somewhere
-        registered(store, b, T0 + 50)
-        gated(store, b, 0, T0 + 100, position=2)  # at T0 + 100 a is not overdue yet
-        token = admitted(store, b, 0, T0 + 100.5)  # a is passed over, not deleted
-        assert waiters(store, T0 + 100.5) == ["a"]
-        # a's message finally arrives: it takes its place at the head of the line again.
-        registered(store, c, T0 + 101)
-        gated(store, c, 0, T0 + 102, b"c", position=2)
-        a_gen = gated(store, a, 0, T0 + 103, b"a", position=1).generation
-        wake = the_wake(at(store, T0 + 104).release(SCOPE, KEY, "b", token=token).wakes, "a")
-        assert wake.generation != a_gen and wake.payload == b"a"
 
     def test_heartbeat_is_batched_and_reports_lost_slots(self, make_store: StoreFactory) -> None:
         store = make_store()
@@ -1110,7 +1101,7 @@ class _DataRules(_Contract):
 
 
 class _TimeRules(_Contract):
-    """Schema versions, the store's clock, passed-over waiters, retention and tokens."""
+    """Schema versions, the store's clock, the line at any age, re-issues, retention and tokens."""
 
     # -- schema and time (docs/deployment.md#clocks-and-skew) --------------------------------------
 
@@ -1167,45 +1158,107 @@ class _TimeRules(_Contract):
         snap = store.snapshot(scope=SCOPE, key=KEY)[0]
         assert abs(snap.holders[0].admitted_at - real) < 30
 
-    # -- every waiter live or gone (docs/concepts.md#passed-over-waiters) --------------------------
+    # -- the line keeps every run (docs/concepts.md#the-line) -------------------------------------
 
-    @pytest.mark.parametrize("state", ["pending", "gated", "woken"])
-    def test_a_waiter_unseen_too_long_is_passed_over_then_removed(
+    @pytest.mark.parametrize("state", ["pending", "gated"])
+    def test_every_unsettled_run_counts_and_keeps_its_place_at_any_age(
         self, make_store: StoreFactory, state: str
     ) -> None:
-        """A lost broker message never sticks a key, whatever state its run was in."""
-        store = make_store(timings=Timings(retention=500.0))
-        lost, later = spec("lost", orphan=100.0, recheck=10.0), spec("later", orphan=None)
+        """A queue backlog, a long delay or a parked copy never lifts the cap nor lets a later run
+        take an earlier one's turn, however long its copies take."""
+        store = make_store(timings=Timings(retention=1e9))
+        first, later = spec("first", orphan=100.0, recheck=10.0), spec("later", orphan=100.0, recheck=10.0)
         token = admitted(store, spec("h", orphan=None), 0, T0)
-        registered(store, lost, T0)
-        seen, generation = T0, 0
-        if state != "pending":
-            gated_outcome = gated(store, lost, 0, T0 + 1, b"lost", position=1)
-            seen, generation = T0 + 1, gated_outcome.generation or 0
+        registered(store, first, T0, payload=b"sent")
+        if state == "gated":
+            gated(store, first, 0, T0 + 1, b"delivered", position=1)
+        month = T0 + 30 * 86_400.0
+        capped = spec("capped", depth=1)  # h, first: the key is at its cap
+        assert at(store, month).register(capped).status is Registered.FULL
+        gated(store, later, 0, month + 1, b"later", position=2)
+        wake = the_wake(at(store, month + 2).release(SCOPE, KEY, "h", token=token).wakes, "first")
+        assert wake.payload == (b"sent" if state == "pending" else b"delivered")
+        # The later run's re-checks never take the free slot from the run ahead of it.
+        gated(store, later, 0, month + 3, position=2)
+        admitted(store, first, wake.generation, month + 4)
+
+    @pytest.mark.parametrize("state", ["pending", "woken"])
+    def test_a_slot_owner_whose_copies_are_lost_is_issued_again(self, make_store: StoreFactory, state: str) -> None:
+        """A purged queue, a lost wake: the store issues the run again from its payload, once per
+        bound (orphan timeout + re-check after it was last seen or issued), by any call on the
+        key or by ``tick_due``; whichever copy comes first runs it, once."""
+        store = make_store(timings=Timings(retention=10_000.0))
+        lost = spec("lost", orphan=100.0, recheck=10.0)
+        token = admitted(store, spec("h", orphan=None), 0, T0)
+        registered(store, lost, T0, payload=b"sent")
+        payload, since = b"sent", T0
         if state == "woken":
-            release = at(store, T0 + 2).release(SCOPE, KEY, "h", token=token)
-            generation = the_wake(release.wakes, "lost").generation
-        later_gen = gated(store, later, 0, T0 + 3, b"later", position=2).generation
-        passed = seen + 110.0  # its orphan_timeout + recheck since it was last seen
-        capped = spec("capped", depth=1 if state == "woken" else 2)  # the key is at its cap
-        # Until then its copies may still come: it counts against the cap and owns its place.
-        assert at(store, passed).register(capped).status is Registered.FULL
-        # Then it is passed over: the capped key accepts a send again, and the slot goes on.
-        assert at(store, passed + 0.5).register(capped).status is Registered.REGISTERED
-        if state != "woken":
-            release = at(store, passed + 0.5).release(SCOPE, KEY, "h", token=token)
-            later_gen = the_wake(release.wakes, "later").generation
-        assert later_gen is not None
-        admitted(store, later, later_gen, passed + 0.5)
-        # A live copy that shows up after all is no stale copy: it takes its place (first) again.
-        assert waiters(store, passed + 0.5)[0] == "lost"
-        outcome = at(store, passed + 1).claim(lost, generation, b"lost")
-        assert outcome.decision is Decision.GATED and outcome.position == 1, outcome
-        # Unseen again for orphan + recheck and then retention: removed by a call on its key.
-        gone = passed + 1 + 110.0 + 500.0
-        assert at(store, gone).claim(capped, 0, None).removed == ()
-        assert at(store, gone + 0.5).claim(capped, 0, None).removed == ("lost",)
-        assert "lost" not in waiters(store, gone + 0.5)
+            gated(store, lost, 0, T0 + 1, b"delivered", position=1)  # its deferred copy is lost
+            payload = b"delivered"
+        release = at(store, T0 + 2).release(SCOPE, KEY, "h", token=token)
+        if state == "pending":
+            assert release.wakes == ()  # its own message is on its way
+        else:
+            assert the_wake(release.wakes, "lost").payload == payload  # and this wake is lost
+            since = T0 + 2
+        bound = since + 110.0
+        assert at(store, bound - 0.5).tick_due() == []
+        due = at(store, bound + 0.5).tick_due()
+        assert [(d.scope, d.key, d.evicted, d.removed) for d in due] == [(SCOPE, KEY, (), ())]
+        first = the_wake(due[0].wakes, "lost")
+        assert first.payload == payload
+        # Issued once per bound: neither the heartbeat nor another run's call issues it again yet.
+        assert at(store, bound + 1).tick_due() == []
+        other = spec("other", orphan=100.0, recheck=10.0)
+        assert gated(store, other, 0, bound + 2, b"other", position=2).wakes == ()
+        # Still unseen one bound later: issued again, by any call on the key.
+        again = at(store, bound + 0.5 + 110.5).claim(other, 0, b"other")
+        assert again.decision is Decision.GATED
+        second = the_wake(again.wakes, "lost")
+        assert second.generation > first.generation and second.payload == payload
+        # Every copy stays live until one is admitted; the rest are stale after that.
+        admitted(store, lost, first.generation, bound + 300)
+        for generation in (0, second.generation):
+            stale(store, lost, generation, bound + 301)
+
+    def test_a_run_sent_with_a_delay_is_not_issued_before_its_delay_is_up(self, make_store: StoreFactory) -> None:
+        store = make_store()
+        delayed = spec("delayed", orphan=100.0, recheck=10.0)
+        registered(store, delayed, T0, payload=b"later", delay=3600.0)
+        assert at(store, T0 + 3600 + 109.5).tick_due() == []
+        due = at(store, T0 + 3600 + 110.5).tick_due()
+        assert [woken(d.wakes) for d in due] == [["delayed"]]
+        # Its own copy, delivered at last, runs it; the issued copy is then stale.
+        admitted(store, delayed, 0, T0 + 3600 + 111)
+        stale(store, delayed, due[0].wakes[0].generation, T0 + 3600 + 112)
+
+    def test_a_waiter_nothing_reaches_is_abandoned_after_retention(self, make_store: StoreFactory) -> None:
+        """Its task is gone from every worker, or its payload cannot be published: issued again
+        and again, it is removed once nothing of it reached the store for ``retention``."""
+        store = make_store(timings=Timings(retention=500.0))
+        gone, later = spec("gone", orphan=100.0, recheck=10.0), spec("later", orphan=100.0, recheck=10.0)
+        token = admitted(store, spec("h", orphan=None), 0, T0)
+        registered(store, gone, T0, payload=b"gone")
+        gated(store, later, 0, T0 + 1, b"later", position=2)
+        assert at(store, T0 + 2).release(SCOPE, KEY, "h", token=token).wakes == ()
+        assert [woken(d.wakes) for d in at(store, T0 + 110.5).tick_due()] == [["gone"]]
+        assert [woken(d.wakes) for d in at(store, T0 + 499).tick_due()] == [["gone"]]
+        due = at(store, T0 + 610).tick_due()
+        assert [(d.removed, woken(d.wakes)) for d in due] == [(("gone",), ["later"])]
+        assert waiters(store, T0 + 610) == ["later"]
+        # A copy that still comes is a new claim at the back of the line, not lost.
+        assert at(store, T0 + 611).claim(gone, 0, b"gone").decision is Decision.GATED
+
+    def test_tick_due_evicts_an_orphaned_holder_and_issues_the_next(self, make_store: StoreFactory) -> None:
+        """A key nobody calls still moves: its dead holder is evicted and the next run issued."""
+        store = make_store()
+        admitted(store, spec("dead", lease=10.0, orphan=100.0), 0, T0)
+        registered(store, spec("next", orphan=100.0), T0 + 1, payload=b"next")
+        assert at(store, T0 + 109).tick_due() == []
+        due = at(store, T0 + 110.5).tick_due()
+        assert [(d.evicted, woken(d.wakes)) for d in due] == [(("dead",), ["next"])]
+        other = make_store(namespace="other" + uuid.uuid4().hex[:8])
+        assert at(other, T0 + 110.5).tick_due() == []  # namespaces isolate
 
     # -- retention and tokens (docs/concepts.md#fencing-tokens) ------------------------------------
 

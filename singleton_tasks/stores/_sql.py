@@ -79,15 +79,15 @@ def _pyformat(sql: str) -> str:
 
 
 _ADD_COLUMN = re.compile(r"^\s*ALTER\s+TABLE\s+\w+\s+ADD\s+COLUMN\s", re.IGNORECASE)
-_RENAME_COLUMN = re.compile(r"^\s*ALTER\s+TABLE\s+\w+\s+RENAME\s+COLUMN\s", re.IGNORECASE)
+_DROP_COLUMN = re.compile(r"^\s*ALTER\s+TABLE\s+\w+\s+DROP\s+COLUMN\s", re.IGNORECASE)
 
 
 def _sqlite_column_exists(statement: str, error: Exception) -> bool:
-    """A re-applied ``ADD COLUMN`` or ``RENAME COLUMN`` (SQLite has no ``IF [NOT] EXISTS`` for
-    them): the column is there, or renamed already."""
+    """A re-applied ``ADD COLUMN`` or ``DROP COLUMN`` (SQLite has no ``IF [NOT] EXISTS`` for
+    them): the column is there, or gone already."""
     statement = _strip_comments(statement)
     return (bool(_ADD_COLUMN.match(statement)) and "duplicate column name" in str(error)) or (
-        bool(_RENAME_COLUMN.match(statement)) and "no such column" in str(error)
+        bool(_DROP_COLUMN.match(statement)) and "no such column" in str(error)
     )
 
 

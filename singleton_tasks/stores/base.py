@@ -225,8 +225,8 @@ class Store(abc.ABC):
     def tick_due(self, *, limit: int = 64) -> list[DueOutcome]:
         """Call :func:`singleton_tasks.gate.tick` on up to ``limit`` keys whose ``due_at`` has
         passed: evictions, re-issues and abandoned waiters that no traffic on the key would
-        otherwise trigger. A worker's heartbeat thread calls it every interval and publishes
-        the wakes; fewer than ``limit`` answers means nothing more is due."""
+        otherwise trigger. Returns the keys where something was done. A worker's heartbeat
+        thread calls it every interval and publishes the wakes."""
 
     @abc.abstractmethod
     def snapshot(self, *, scope: str | None = None, key: str | None = None) -> list[KeySnapshot]:
@@ -314,7 +314,9 @@ class RuleStore(Store):
         done = []
         for scope, key in self.due_keys(self.time(), limit):
             with self.transaction(scope, key) as tx:
-                done.append(gate.tick(tx, scope, key, timings=self.timings))
+                outcome = gate.tick(tx, scope, key, timings=self.timings)
+            if outcome.wakes or outcome.evicted or outcome.removed:
+                done.append(outcome)
         return done
 
     def claim(self, spec: RunSpec, generation: int, payload: bytes | None = None) -> ClaimOutcome:
