@@ -843,11 +843,12 @@ class RedisStore(Store):
     def tick_due(self, *, limit: int = 64) -> list[DueOutcome]:
         """``tick.lua`` on each of the ``limit`` keys due earliest that the due index lists as
         due before now (the store's clock): one call per key, which reads the key's scope and
-        key itself. A listed key that is gone or idle is only taken off the index (no answer)."""
+        key itself. A listed key that is gone or idle is only taken off the index. Returns the
+        keys where something was done."""
         done = []
         for tag in self._due_tags(self.time(), limit):
             reply = self._eval("tick", 8, *self._tag_args(tag, b"", b"", b""))
-            if reply:
+            if reply and (reply[2] or reply[3] or reply[4]):
                 scope_b, key_b, wakes, evicted, removed = reply
                 scope, key = _str(scope_b), _str(key_b)
                 done.append(

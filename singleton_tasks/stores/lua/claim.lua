@@ -9,7 +9,7 @@
 -- Returns {decision, token, generation, position, takeover, evicted, wakes, removed}:
 --   decision 'admitted' | 'gated' | 'busy' | 'stale'; token, generation, position are
 --   integers or false (None); takeover 1/0; evicted and removed lists of run ids; wakes a list
---   of {run_id, generation, payload}.
+--   of {run_id, generation, payload or false}.
 
 use_key(KEYS, ARGV)
 local run_id = ARGV[3]

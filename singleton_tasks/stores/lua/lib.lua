@@ -223,7 +223,8 @@ local function save_meta(meta)
     redis.call('PERSIST', K.meta) -- a forgotten key's hash may still be there, expiring
   end
   meta.saved = {
-    token = meta.token, seq = meta.seq, limit = meta.limit, idle_until = meta.idle_until, due_at = meta.due_at,
+    token = meta.token, seq = meta.seq, limit = meta.limit, idle_until = meta.idle_until,
+    due_at = meta.due_at,
   }
 end
 
@@ -491,8 +492,8 @@ local function seen(run, now, delay)
 end
 
 -- gate._issue: give a waiter a fresh live generation, to be published from its payload (given:
--- the caller read it). Every copy in flight stays live beside it (gate.py says why).
--- Returns the wake {run_id, generation, payload}.
+-- the caller read it; false: None). Every copy in flight stays live beside it (gate.py says why).
+-- Returns the wake {run_id, generation, payload or false}.
 local function issue(run, now, payload)
   run.generation = next_counter(run.generation, now)
   local live = run.live
@@ -537,13 +538,13 @@ local function housekeep(now, keep)
 end
 
 -- gate._hand_on: issue the waiters that own a free slot and need a copy; set meta.due_at.
--- The first `limit - holders` waiters in line own the free slots. A gated owner is woken (its
--- turn came). A confirmed owner none of whose copies reached the store by its reissue_at is
--- issued again, or abandoned (removed) when nothing reached the store for `retention`.
--- Unconfirmed owners hold their place until their grace ends. Each owner is read by HMGET of
--- the fields the rule needs, its payload only when it is issued (HEXISTS otherwise), its whole
--- record only when it is issued; a phantom met on the way is removed.
--- Returns the wakes, each {run_id, generation, payload}.
+-- The first `limit - holders` waiters in line own the free slots. A confirmed gated owner is
+-- woken (its turn came). A confirmed owner with a payload none of whose copies reached the store
+-- by its reissue_at is issued again, or abandoned (removed) when nothing reached the store for
+-- `retention`. Unconfirmed owners hold their place until their grace ends. Each owner is read
+-- by HMGET of the fields the rule needs; its payload (HEXISTS otherwise) and its whole record
+-- only when it is issued; a phantom met on the way is removed.
+-- Returns the wakes, each {run_id, generation, payload or false (None)}.
 local function hand_on(meta, now, skip)
   local free = meta.limit - zcard(K.holders)
   local out = {}
@@ -574,9 +575,11 @@ local function hand_on(meta, now, skip)
               with_payload = redis.call('HEXISTS', key, 'payload') == 1
             end
           end
-          if run_id ~= skip and confirmed and with_payload then
+          if run_id ~= skip and confirmed then
+            -- A gated owner is woken even without a payload (Celery arguments JSON cannot
+            -- carry): the wake is not published, its deferred copy re-checks it.
             local issuing = state == 'gated'
-            if not issuing and reissue_at ~= nil and reissue_at <= now then
+            if not issuing and with_payload and reissue_at ~= nil and reissue_at <= now then
               if now - tonumber(v[5]) > K.retention then
                 delete_run(run_id, { state = state, confirmed = true })
                 REMOVED[#REMOVED + 1] = run_id
@@ -667,7 +670,8 @@ local function finish(meta)
 end
 
 -- gate._new_waiter; payload nil: None.
-local function new_waiter(meta, run_id, now, confirmed, generation, payload, delay, lease, orphan_timeout, recheck)
+local function new_waiter(meta, run_id, now, confirmed, generation, payload, delay, lease, orphan_timeout,
+                          recheck)
   meta.seq = meta.seq + 1
   local run = {
     run_id = run_id,

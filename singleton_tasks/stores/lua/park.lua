@@ -2,8 +2,8 @@
 -- Only a pending run with a payload is parked; one already delivered is left to its delivery.
 --
 -- KEYS, ARGV[1..6]: the per-key layout of lib.lua
--- Returns the wakes, a list of {run_id, generation, payload}: the run itself among them if a
--- slot freed since it registered.
+-- Returns the wakes, a list of {run_id, generation, payload or false}: the run itself among
+-- them if a slot freed since it registered.
 
 use_key(KEYS, ARGV)
 local run = load_run(ARGV[3])

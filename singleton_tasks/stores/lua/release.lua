@@ -5,7 +5,7 @@
 -- ARGV[7] token ('' = None: settle whatever the run is)   ARGV[8] generation ('' = None)
 -- ARGV[9] '1': settle the run only while it holds no slot (gate.release's waiting_only)
 -- Returns {released 1/0, lost 1/0, wakes, evicted, removed}: wakes a list of
--- {run_id, generation, payload}; evicted and removed lists of run ids.
+-- {run_id, generation, payload or false}; evicted and removed lists of run ids.
 
 use_key(KEYS, ARGV)
 local run_id = ARGV[3]

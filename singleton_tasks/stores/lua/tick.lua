@@ -6,8 +6,8 @@
 -- ARGV[2] (scope, key) and ARGV[3] (run id) are '', the key's own scope and key are read from
 -- its meta hash (tick never creates one).
 -- Returns {} if the key is unknown or idle (then no longer listed as due), else
--- {scope, key, wakes, evicted, removed}: wakes a list of {run_id, generation, payload};
--- evicted and removed lists of run ids.
+-- {scope, key, wakes, evicted, removed}: wakes a list of {run_id, generation, payload or
+-- false}; evicted and removed lists of run ids.
 
 use_key(KEYS, ARGV)
 local now = K.now
