@@ -10,6 +10,7 @@ from .errors import (
     SingletonConfigError,
     SingletonError,
     SingletonKeyError,
+    SingletonPayloadError,
     SingletonQueueFullError,
     StoreUnavailableError,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "SingletonConfigError",
     "SingletonError",
     "SingletonKeyError",
+    "SingletonPayloadError",
     "SingletonQueueFullError",
     "Store",
     "StoreUnavailableError",

@@ -15,6 +15,11 @@ class SingletonKeyError(SingletonError, ValueError):
     """A run's key could not be derived from its arguments."""
 
 
+class SingletonPayloadError(SingletonError, TypeError):
+    """A run's message cannot be encoded (an argument its serializer refuses): nothing was
+    registered, nothing published."""
+
+
 class StoreUnavailableError(SingletonError):
     """The store could not be reached or failed an operation; nothing was decided."""
 

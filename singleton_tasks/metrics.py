@@ -76,6 +76,12 @@ class SingletonMetrics:
         self.rejected = counter("rejected", "Singleton enqueues rejected: the key's queue was full.")
         self.evicted = counter("evicted", "Orphaned holders evicted after their lease lapsed.")
         self.taken_over = counter("taken_over", "Admissions that took over a holder whose lease lapsed.")
+        self.reissued = counter(
+            "reissued", "Waiters issued again from the store: none of their copies showed up in time."
+        )
+        self.abandoned = counter(
+            "abandoned", "Waiters removed: issued again and again, none of their copies reached the store."
+        )
         self.wait_time = Histogram(
             f"{prefix}_wait_seconds",
             "Time from a singleton run's registration (enqueue) to its admission.",
@@ -213,6 +219,20 @@ def observe_evicted(task: str, count: int = 1) -> None:
         metrics.of(metrics.evicted, task).inc(count)
 
 
+def observe_reissued(task: str, count: int = 1) -> None:
+    """``count`` waiters were issued again by a key's own due work (``task``: their scope)."""
+    metrics = active()
+    if metrics is not None and count > 0:
+        metrics.of(metrics.reissued, task).inc(count)
+
+
+def observe_abandoned(task: str, count: int = 1) -> None:
+    """``count`` waiters were removed as abandoned (``task``: their task, or their scope)."""
+    metrics = active()
+    if metrics is not None and count > 0:
+        metrics.of(metrics.abandoned, task).inc(count)
+
+
 def observe_claim(
     task: str,
     outcome: ClaimOutcome,
@@ -249,10 +269,12 @@ __all__ = [
     "active",
     "disable",
     "install",
+    "observe_abandoned",
     "observe_admitted",
     "observe_claim",
     "observe_evicted",
     "observe_gated",
+    "observe_reissued",
     "observe_rejected",
     "observe_release",
     "observe_released",

@@ -89,14 +89,20 @@ SWEEP_INTERVAL = 300.0
 #: A sweep goes in slices of about this long (seconds), with the heartbeats due in between: a
 #: backlog of expired rows (minutes of deletes after a million keys expire) never holds one back.
 SWEEP_SLICE = 0.2
+#: At most this many due keys are handled per store call of the heartbeat thread (more follow
+#: at once, within SWEEP_SLICE).
+TICK_BATCH = 64
 #: The confirm thread waits this long (seconds) after a publish for more to batch with it.
 CONFIRM_LINGER = 0.005
 #: At most this many confirms are sent in one round trip.
 CONFIRM_BATCH = 512
-#: At close and at interpreter exit, pending confirms get this long (seconds) to be sent.
+#: At close, at a fork and at process exit, pending confirms get this long (seconds) to be sent.
 CONFIRM_FLUSH_TIMEOUT = 5.0
 #: Every confirm thread of this process (flush_all_confirms).
 _CONFIRMERS: weakref.WeakSet[_Confirmer] = weakref.WeakSet()
+#: The process (pid) whose exit hook is registered, and the one whose exit hook ran.
+_exit_hook_pid = 0
+_exited_pid = 0
 
 
 def check_store_argument(store: object) -> None:
@@ -168,6 +174,10 @@ class Gatekeeper:
         self._heartbeater: _Heartbeater | None = None
         self._confirmer: _Confirmer | None = None
         self._spec_cache: dict[BoundSingleton, RunSpec] = {}
+        #: Publishes the wakes of a key's own due work (the heartbeat thread's
+        #: :meth:`Store.tick_due`): set by the adapter of a worker process. Without it the due
+        #: work is still done (evictions, abandoned waiters) and the wakes wait for the next call.
+        self.publish_wakes: Callable[[Sequence[Wake]], object] | None = None
 
     # -- the store, one per process --------------------------------------------------------
     def _after_fork(self) -> None:
@@ -285,12 +295,24 @@ class Gatekeeper:
         bound: BoundSingleton,
         spec: RunSpec,
         *,
+        payload: bytes | None = None,
+        delay: float = 0.0,
         confirmed: bool = True,
         full_error: type[SingletonQueueFullError] = SingletonQueueFullError,
     ) -> RegisterOutcome:
-        """Enqueue: register a pending waiter or raise ``full_error`` (StoreUnavailableError passes)."""
+        """Enqueue: register a pending waiter or raise ``full_error`` (StoreUnavailableError passes).
+
+        Arguments:
+            bound: The task's declaration (its name goes into errors and metrics).
+            spec: The run, its key and options.
+            payload: The message the store issues the run from if its copies are lost, encoded
+                by the caller before anything was written (docs/concepts.md#the-line).
+            delay: Seconds the message is delayed by: the run is not issued again before then.
+            confirmed: False until the publish is done (:meth:`confirm_later`).
+            full_error: The error class raised when the key's backlog is full.
+        """
         try:
-            outcome = self.store.register(spec, confirmed=confirmed)
+            outcome = self.store.register(spec, payload=payload, delay=delay, confirmed=confirmed)
         except StoreUnavailableError as error:
             # The store's message names the server; the caller also needs the task and the key.
             raise StoreUnavailableError(
@@ -338,9 +360,9 @@ class Gatekeeper:
     def unregister(self, spec: RunSpec) -> None:
         self.store.unregister(spec.scope, spec.key, spec.run_id)
 
-    def park(self, task_name: str, spec: RunSpec, payload: bytes) -> tuple[Wake, ...]:
-        """A run published held back waits gated with ``payload``; the caller publishes the wakes."""
-        wakes = self.store.park(spec.scope, spec.key, spec.run_id, payload)
+    def park(self, task_name: str, spec: RunSpec) -> tuple[Wake, ...]:
+        """A run published held back waits gated with its payload; the caller publishes the wakes."""
+        wakes = self.store.park(spec.scope, spec.key, spec.run_id)
         metrics.observe_woken(task_name, len(wakes))
         return wakes
 
@@ -356,7 +378,7 @@ class Gatekeeper:
     ) -> ClaimOutcome:
         """Gate: decide one delivery; the caller runs, defers or drops accordingly."""
         outcome = self.store.claim(spec, generation, payload)
-        self._log_housekeeping(outcome.evicted, outcome.removed, spec)
+        self._log_housekeeping(task_name, spec.scope, spec.key, outcome.evicted, outcome.removed)
         metrics.observe_claim(
             task_name, outcome, now=clock.now(), registered_at=registered_at, woken_at=woken_at
         )
@@ -419,7 +441,7 @@ class Gatekeeper:
         outcome = self.store.release(
             spec.scope, spec.key, spec.run_id, token=token, generation=generation, waiting_only=waiting_only
         )
-        self._log_housekeeping(outcome.evicted, outcome.removed, spec)
+        self._log_housekeeping(task_name, spec.scope, spec.key, outcome.evicted, outcome.removed)
         metrics.observe_release(task_name, outcome)
         metrics.observe_woken(task_name, len(outcome.wakes))
         if outcome.lost:
@@ -434,23 +456,49 @@ class Gatekeeper:
         return outcome
 
     @staticmethod
-    def _log_housekeeping(evicted: tuple[str, ...], removed: tuple[str, ...], spec: RunSpec) -> None:
+    def _log_housekeeping(
+        task_name: str, scope: str, key: str, evicted: Sequence[str], removed: Sequence[str]
+    ) -> None:
         for run_id in evicted:
             logger.warning(
                 "evicted orphaned holder %s of key %r (scope %r): its lease lapsed over orphan_timeout ago",
                 run_id,
-                spec.key,
-                spec.scope,
+                key,
+                scope,
             )
         for run_id in removed:
-            logger.warning(
-                "removed waiter %s of key %r (scope %r): none of its copies showed up for longer than "
-                "its orphan timeout plus the store's retention (a lost broker message); a copy that "
-                "still comes is queued again at the back",
+            logger.error(
+                "%s run %s of key %r (scope %r) abandoned: issued again and again, none of its copies "
+                "reached the store for the store's retention (its task is on no worker, or its "
+                "message cannot be published); removed from the line",
+                task_name,
                 run_id,
-                spec.key,
-                spec.scope,
+                key,
+                scope,
             )
+        metrics.observe_abandoned(task_name, len(removed))
+
+    def tick_due(self) -> int:
+        """The heartbeat thread's call: do the due work of keys nobody calls (re-issues,
+        evictions, abandoned waiters) and publish the wakes; returns how many keys it did."""
+        done = self.store.tick_due(limit=TICK_BATCH)
+        for outcome in done:
+            # The scope names the task unless the declaration set a scope of its own.
+            self._log_housekeeping(
+                outcome.scope, outcome.scope, outcome.key, outcome.evicted, outcome.removed
+            )
+            metrics.observe_evicted(outcome.scope, len(outcome.evicted))
+            if outcome.wakes:
+                logger.info(
+                    "key %r (scope %r): issued %s again, none of whose copies showed up in time",
+                    outcome.key,
+                    outcome.scope,
+                    ", ".join(wake.run_id for wake in outcome.wakes),
+                )
+                metrics.observe_reissued(outcome.scope, len(outcome.wakes))
+                if self.publish_wakes is not None:
+                    self.publish_wakes(outcome.wakes)
+        return len(done)
 
     # -- heartbeats ------------------------------------------------------------------------
     @property
@@ -637,6 +685,12 @@ class _Heartbeater:
             logger.error("heartbeat: run %s lost its slot; another owner holds it now", run_id)
         return lost
 
+    def tick(self) -> None:
+        """The due work of keys nobody calls (:meth:`Gatekeeper.tick_due`), for at most SWEEP_SLICE."""
+        until = time.monotonic() + SWEEP_SLICE
+        while self._gatekeeper.tick_due() >= TICK_BATCH and time.monotonic() < until:
+            pass  # a full batch: more keys may be due
+
     def sweep(self) -> None:
         """Forget a slice of the store's expired state (settled markers, idle keys).
 
@@ -666,7 +720,7 @@ class _Heartbeater:
                         return
                     beaten_at = 0.0  # the interval passed, or a shorter lease came: beat now
             if time.monotonic() >= beaten_at + self.interval:
-                steps: tuple[Callable[[], object], ...] = (self.beat, self.run_retries, self.sweep)
+                steps: tuple[Callable[[], object], ...] = (self.beat, self.run_retries, self.tick, self.sweep)
                 beaten_at = time.monotonic()
             else:
                 steps = (self.sweep,)  # the next slice of a sweep, between two beats
@@ -695,7 +749,50 @@ def flush_all_confirms(timeout: float = CONFIRM_FLUSH_TIMEOUT) -> bool:
     return all(confirmer.flush(max(0.0, deadline - time.monotonic())) for confirmer in list(_CONFIRMERS))
 
 
-atexit.register(flush_all_confirms)  # before the daemon confirm threads stop with the interpreter
+def confirm_at_exit() -> None:
+    """The process exits: send every pending confirm; one handed over later is sent inline.
+
+    Runs at interpreter exit, at the exit of a ``multiprocessing`` or billiard child (which ends
+    with ``os._exit``: no atexit), and in a Celery prefork pool process (``worker_process_shutdown``).
+    After it, no confirm thread is left to rely on: a send from a later exit hook or a thread
+    still running confirms on its own thread.
+    """
+    global _exited_pid
+    _exited_pid = os.getpid()
+    deadline = time.monotonic() + CONFIRM_FLUSH_TIMEOUT
+    for confirmer in list(_CONFIRMERS):
+        confirmer.stop(max(0.0, deadline - time.monotonic()))
+
+
+def _at_child_exit(hook: Callable[[], None]) -> None:
+    """Call ``hook`` when this process exits as a ``multiprocessing`` or billiard child.
+
+    The one use of a stdlib internal (pinned by tests/test_framework_internals.py): such a child
+    ends with ``os._exit``, after its ``_bootstrap`` ran ``multiprocessing.util._exit_function``,
+    which calls the finalizers that this process registered with an exit priority (billiard
+    shares that registry). The registry is per process: a fork child registers its own.
+    """
+    from multiprocessing import util
+
+    util.Finalize(None, hook, exitpriority=100)  # first: before pools and queues are finalized
+
+
+def _register_exit_hook() -> None:
+    """Once per process, with its first confirm thread (a forked child's comes after the fork).
+
+    Two threads racing here register it twice: harmless, the second call finds nothing pending.
+    """
+    global _exit_hook_pid
+    if _exit_hook_pid != os.getpid():
+        _exit_hook_pid = os.getpid()
+        _at_child_exit(confirm_at_exit)
+
+
+atexit.register(confirm_at_exit)  # before the daemon confirm threads stop with the interpreter
+if hasattr(os, "register_at_fork"):
+    # A parent may os._exit right after forking (daemonizing): its batch goes out before the fork.
+    # The child's copies of the parent's confirm threads are dead; its gatekeepers make new ones.
+    os.register_at_fork(before=flush_all_confirms, after_in_child=_CONFIRMERS.clear)
 
 
 #: A run to confirm, ``(scope, key, run_id)``, and when (monotonic) its confirm was handed over.
@@ -710,7 +807,8 @@ class _Confirmer:
     publish, so a failed publish still leaves only an unconfirmed registration, passed over after
     the registration grace. A batch that fails on a store outage is tried again until the
     registration grace has passed (the delivery confirms the run then, as it does any
-    unconfirmed one); pending confirms are sent at close and at interpreter exit.
+    unconfirmed one); pending confirms are sent at close, before a fork and at process exit
+    (:func:`confirm_at_exit`), and inline once the exit hook has run.
     """
 
     def __init__(self, gatekeeper: Gatekeeper) -> None:
@@ -719,9 +817,10 @@ class _Confirmer:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._busy = False  # a batch is being sent
-        self._stopped = False
+        self._stopped = _exited_pid == os.getpid()  # made after the exit hook: confirms inline
         self._thread: threading.Thread | None = None
         _CONFIRMERS.add(self)
+        _register_exit_hook()
 
     def add(self, run: tuple[str, str, str]) -> None:
         with self._lock:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import getpass
+import io
 import json
 import logging
+import socket
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +20,7 @@ from conftest import POSTGRES_URL, REDIS_URL, StoreFactory, require_server
 
 from singleton_tasks import Store, clock, store_from_url
 from singleton_tasks.cli import TopState, cli, render_top_frame
-from singleton_tasks.outcomes import Decision, Registered, RunSpec
+from singleton_tasks.outcomes import Decision, Registered, RunSpec, RunState
 from singleton_tasks.stores import SCHEMA_VERSION
 from singleton_tasks.testing import ManualClock, at
 
@@ -82,7 +86,7 @@ def seeded(store_factory: StoreFactory, backend: str, tmp_path: Path) -> Seeded:
     return seed(store, url_of(store, backend, tmp_path))
 
 
-def invoke(args: list[str], input: str | None = None) -> Result:
+def invoke(args: list[str], input: str | io.BytesIO | None = None) -> Result:
     return CliRunner().invoke(cli, args, input=input, env=WIDE, catch_exceptions=False)
 
 
@@ -241,6 +245,164 @@ def test_release_of_a_holder_with_only_pending_waiters_names_the_next(seeded: Se
     assert f"next in line: {seeded.a2} (pending)" in result.stdout
 
 
+# -- drop-waiters ----------------------------------------------------------------------------------
+
+
+class ReplyAfter(io.BytesIO):
+    """Typed confirmation whose first read runs ``meanwhile``: the store changes while the
+    operator reads the list, between the listing and the drops."""
+
+    def __init__(self, reply: bytes, meanwhile: Callable[[], None]) -> None:
+        super().__init__(reply)
+        self.meanwhile: Callable[[], None] | None = meanwhile
+
+    def _first(self) -> None:
+        run, self.meanwhile = self.meanwhile, None
+        if run is not None:
+            run()
+
+    def read(self, size: int | None = -1) -> bytes:
+        if size != 0:  # click probes the stream with read(0)
+            self._first()
+        return super().read(size)
+
+    def read1(self, size: int | None = -1) -> bytes:
+        self._first()
+        return super().read1(size)
+
+    def readline(self, size: int | None = -1) -> bytes:
+        self._first()
+        return super().readline(size)
+
+
+def drops_logged(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if "operator drop of a waiter" in r.getMessage()]
+
+
+def test_drop_waiters_drops_every_waiter_and_leaves_the_holder(
+    seeded: Seeded, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="singleton_tasks"):
+        result = invoke(seeded.args("drop-waiters", "--key", "store:A", "--yes"))
+    assert result.exit_code == 0, result.output
+    assert f"1  {seeded.a1}  gated" in result.stdout and f"2  {seeded.a2}  pending" in result.stdout
+    assert f"dropped {seeded.a1} (position 1)" in result.stdout
+    assert f"dropped {seeded.a2} (position 2)" in result.stdout
+    assert "dropped 2 of 2 waiters of key 'store:A' (scope 'inv'); 0 waiting now" in result.stdout
+
+    [a] = seeded.store.snapshot(scope=SCOPE, key="store:A")
+    assert a.waiters == ()
+    [holder] = a.holders
+    assert (holder.run_id, holder.executing) == (seeded.a0, True)
+    assert [h.run_id for s in seeded.store.snapshot() for h in s.holders] == [seeded.a0, seeded.b0, seeded.c0]
+    # The dropped waiter's deferred copy, when it comes due, is stale: the run does not execute.
+    late = seeded.store.claim(spec("store:A", seeded.a1), seeded.a1_generation, None)
+    assert late.decision is not Decision.ADMITTED
+
+    records = drops_logged(caplog)
+    assert [r.levelno for r in records] == [logging.WARNING, logging.WARNING]
+    for record, run_id in zip(records, (seeded.a2, seeded.a1), strict=True):  # back to front
+        message = record.getMessage()
+        assert run_id in message and "'store:A'" in message and f"'{SCOPE}'" in message
+        assert f" by {getpass.getuser()}@{socket.gethostname()}:" in message
+
+
+def test_drop_waiters_asks_first(seeded: Seeded, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="singleton_tasks"):
+        refused = invoke(seeded.args("drop-waiters", "--key", "store:A"), input="n\n")
+        unanswered = invoke(seeded.args("drop-waiters", "--key", "store:A"))  # no input: a refusal
+    assert refused.exit_code == 1 and unanswered.exit_code == 1
+    assert "Drop these 2 waiters?" in refused.output and "nothing dropped" in refused.output
+    assert "Drop these 2 waiters?" in unanswered.output and "Aborted!" in unanswered.output
+    assert [w.run_id for w in seeded.store.snapshot(key="store:A")[0].waiters] == [seeded.a1, seeded.a2]
+    assert drops_logged(caplog) == []
+
+    confirmed = invoke(seeded.args("drop-waiters", "--key", "store:A", "--scope", SCOPE), input="y\n")
+    assert confirmed.exit_code == 0, confirmed.output
+    assert seeded.store.snapshot(key="store:A")[0].waiters == ()
+
+
+def test_drop_waiters_of_a_key_without_waiters_or_unknown(seeded: Seeded) -> None:
+    none = invoke(seeded.args("drop-waiters", "--key", "store:B", "--yes"))
+    assert none.exit_code == 0, none.output
+    assert "key 'store:B' (scope 'inv') has no waiters: nothing to drop" in none.stdout
+    assert [h.run_id for h in seeded.store.snapshot(key="store:B")[0].holders] == [seeded.b0]
+
+    for args in (["--key", "store:Z"], ["--key", "store:A", "--scope", "other"]):
+        unknown = invoke(seeded.args("drop-waiters", *args, "--yes"))
+        assert unknown.exit_code == 1, unknown.output
+        assert "has no holders or waiters" in unknown.output
+    assert len(seeded.store.snapshot(key="store:A")[0].waiters) == 2
+
+
+def test_drop_waiters_needs_a_scope_when_several_use_the_key(seeded: Seeded) -> None:
+    other = RunSpec(scope="other", key="store:A", run_id="o1", limit=1, lease=60.0, orphan_timeout=600.0)
+    seeded.store.register(other)
+    ambiguous = invoke(seeded.args("drop-waiters", "--key", "store:A", "--yes"))
+    assert ambiguous.exit_code == 2, ambiguous.output
+    assert "several scopes ('inv', 'other')" in ambiguous.output
+    assert len(seeded.store.snapshot(scope=SCOPE, key="store:A")[0].waiters) == 2
+    one = invoke(seeded.args("drop-waiters", "--key", "store:A", "--scope", "other", "--yes"))
+    assert one.exit_code == 0, one.output
+    assert seeded.store.snapshot(scope="other") == []
+    assert len(seeded.store.snapshot(scope=SCOPE, key="store:A")[0].waiters) == 2
+
+
+def test_drop_waiters_leaves_a_waiter_admitted_meanwhile(
+    seeded: Seeded, caplog: pytest.LogCaptureFixture
+) -> None:
+    def admit_a1() -> None:
+        """a0 finishes and a1's wake is admitted while the operator reads the list."""
+        [a] = seeded.store.snapshot(key="store:A")
+        done = seeded.store.release(SCOPE, "store:A", seeded.a0, token=a.holders[0].token)
+        [wake] = done.wakes
+        assert (
+            seeded.store.claim(spec("store:A", seeded.a1), wake.generation, None).decision
+            is Decision.ADMITTED
+        )
+
+    with caplog.at_level(logging.WARNING, logger="singleton_tasks"):
+        result = invoke(seeded.args("drop-waiters", "--key", "store:A"), input=ReplyAfter(b"y\n", admit_a1))
+    assert result.exit_code == 1, result.output  # not every listed waiter was dropped
+    assert f"{seeded.a1}: admitted meanwhile, left" in result.stdout
+    assert f"dropped {seeded.a2} (position 2)" in result.stdout
+    assert "dropped 1 of 2 waiters" in result.stdout
+    [a] = seeded.store.snapshot(key="store:A")
+    assert [h.run_id for h in a.holders] == [seeded.a1] and a.waiters == ()
+    assert [seeded.a2 in r.getMessage() for r in drops_logged(caplog)] == [True]
+
+
+def test_drop_waiters_names_a_waiter_enqueued_meanwhile_that_now_owns_a_slot(
+    store_factory: StoreFactory, backend: str, tmp_path: Path
+) -> None:
+    store = store_factory()
+    url = url_of(store, backend, tmp_path)
+    d = {name: f"{name}-{uuid.uuid4().hex[:8]}" for name in ("d0", "d1", "d2", "d3")}
+    two = {
+        name: RunSpec(scope=SCOPE, key="store:D", run_id=run_id, limit=2, lease=60.0, orphan_timeout=600.0)
+        for name, run_id in d.items()
+    }
+    for name in ("d0", "d1", "d2"):
+        store.register(two[name])
+    assert store.claim(two["d0"], 0, None).decision is Decision.ADMITTED
+    assert store.claim(two["d2"], 0, b"d2").decision is Decision.GATED  # d1, pending, owns the free slot
+
+    def enqueue_d3() -> None:
+        store.register(two["d3"])
+        assert store.claim(two["d3"], 0, b"d3").decision is Decision.GATED
+
+    args = ["drop-waiters", "--key", "store:D", "--store", url, "--namespace", store.namespace]
+    result = invoke(args, input=ReplyAfter(b"y\n", enqueue_d3))
+    assert result.exit_code == 0, result.output
+    assert d["d3"] not in result.stdout.split("Drop these")[0]  # not listed, so not dropped
+    assert f"woke {d['d3']} (generation " in result.stdout
+    assert f"woke {d['d2']}" not in result.stdout  # a dropped run is never named to wake
+    assert "dropped 2 of 2 waiters of key 'store:D' (scope 'inv'); 1 waiting now" in result.stdout
+    [snap] = store.snapshot(key="store:D")
+    assert [h.run_id for h in snap.holders] == [d["d0"]]
+    assert [(w.run_id, w.state) for w in snap.waiters] == [(d["d3"], RunState.WOKEN)]
+
+
 # -- top -------------------------------------------------------------------------------------------
 
 
@@ -309,6 +471,7 @@ def test_read_only_commands_never_create_a_store(tmp_path: Path) -> None:
     assert document["schema_version"] is None and document["keys"] == []
     assert invoke(["top", "--once", "--store", url]).exit_code == 0
     assert invoke(["release", "some-run", "--yes", "--store", url]).exit_code == 1
+    assert invoke(["drop-waiters", "--key", "store:A", "--yes", "--store", url]).exit_code == 1
     assert list(tmp_path.iterdir()) == []  # no database file, no WAL, no journal
     assert invoke(["migrate", "--store", url]).exit_code == 0  # migrate itself creates it
     assert path.exists()
@@ -349,6 +512,15 @@ def all_commands(url: str, namespace: str, run_id: str) -> list[list[str]]:
         # The wake cannot be published (nothing listens on port 1): the error is shown redacted.
         ["release", run_id, "--yes", "--broker", f"redis://user:{PASSWORD}@127.0.0.1:1/14", *common],
         ["release", "unknown-run", "--yes", *common],
+        [
+            "drop-waiters",
+            "--key",
+            "store:A",
+            "--yes",
+            "--broker",
+            f"redis://user:{PASSWORD}@127.0.0.1:1/14",
+            *common,
+        ],
     ]
 
 
@@ -373,7 +545,7 @@ def test_no_password_in_output_for_a_reachable_store(caplog: pytest.LogCaptureFi
             seeded = seed(store, url)
             with caplog.at_level(logging.DEBUG):
                 results = [invoke(args) for args in all_commands(url, namespace, seeded.a0)]
-            assert [r.exit_code for r in results] == [0, 0, 0, 0, 0, 1], [r.output for r in results]
+            assert [r.exit_code for r in results] == [0, 0, 0, 0, 0, 1, 0], [r.output for r in results]
             assert "user:***@" in results[0].output or "root:***@" in results[0].output
             assert json.loads(results[1].stdout)["store"] == store.url
             assert "publishing wakes on redis://user:***@127.0.0.1:1/14 failed" in results[4].output

@@ -48,9 +48,9 @@ from ..config import (
     BoundSingleton,
     SingletonConfig,
 )
-from ..errors import SingletonKeyError, StoreUnavailableError
+from ..errors import SingletonKeyError, SingletonPayloadError, StoreUnavailableError
 from ..outcomes import Decision, Registered, RegisterOutcome, RunSpec, Wake
-from ..runtime import GENERATION_FIELD, Gatekeeper, WorkerOptions, check_store_argument
+from ..runtime import GENERATION_FIELD, Gatekeeper, WorkerOptions, check_store_argument, confirm_at_exit
 from ._internals import current_worker_task, is_tracer_call, mark_tracer_call
 
 __all__ = ["GENERATION_HEADER", "SingletonTask", "gatekeeper_for", "install"]
@@ -285,7 +285,10 @@ class SingletonTask(Task):  # type: ignore[misc]
         if dispatch:
             # A chain step accepted with its chain: never fail the parent over the cap or an outage.
             spec = dataclasses.replace(spec, max_queue_depth=None)
-        outcome = self._register_unconfirmed(gatekeeper, bound, spec, dispatch=dispatch)
+        payload = self._payload_to_register(run_id, args, kwargs, link, link_error, shadow, options)
+        outcome = self._register_unconfirmed(
+            gatekeeper, bound, spec, dispatch=dispatch, payload=payload, delay=_delay_of(options)
+        )
         if outcome is None:  # registered at its first delivery (docs/concepts.md#what-other-deliveries-see)
             return publish(run_id)
         if outcome.status is Registered.EXISTS:
@@ -293,30 +296,65 @@ class SingletonTask(Task):  # type: ignore[misc]
             return self.AsyncResult(run_id)
         # A run with `limit` others of its key ahead can only wait: publish it held back, as its
         # deferral would be, so no worker claims and defers it first (the line ahead of a wake).
-        held_back = outcome.in_flight > spec.limit and "countdown" not in options and "eta" not in options
-        payload = None
-        if held_back:
-            payload = _encoded_payload(
-                self,
-                run_id,
-                lambda: _signature_for(self, args, kwargs, run_id, link, link_error, shadow, options),
-            )
-        result = self._publish_registered(gatekeeper, spec, publish, payload, outcome.in_flight)
-        self._after_publish(gatekeeper, spec, payload)
+        held_back = (
+            payload is not None
+            and outcome.in_flight > spec.limit
+            and "countdown" not in options
+            and "eta" not in options
+        )
+        result = self._publish_registered(gatekeeper, spec, publish, held_back, outcome.in_flight)
+        self._after_publish(gatekeeper, spec, held_back)
         return result
 
+    def _payload_to_register(
+        self,
+        run_id: str,
+        args: Any,
+        kwargs: Any,
+        link: Any,
+        link_error: Any,
+        shadow: Any,
+        options: Mapping[str, Any],
+    ) -> bytes | None:
+        """The run as the store keeps it, encoded before anything is written (docs/concepts.md#the-line).
+
+        JSON is what a wake publishes. A task whose serializer is JSON and whose arguments JSON
+        cannot carry could not be published either: SingletonPayloadError, nothing written. Another
+        serializer (pickle) may carry what JSON cannot: such a run has no payload, and only its
+        own copies can run it.
+        """
+        try:
+            return _json_payload(
+                _signature_for(self, args, kwargs, run_id, link, link_error, shadow, options)
+            )
+        except Exception as error:
+            serializer = options.get("serializer") or self.serializer or self._get_app().conf.task_serializer
+            if serializer != "json":
+                logger.debug("%s run %s has no payload for a wake", self.name, run_id, exc_info=True)
+                return None
+            raise SingletonPayloadError(
+                f"{self.name} run {run_id}: its arguments cannot be encoded as JSON ({error}); nothing was sent"
+            ) from error
+
     def _register_unconfirmed(
-        self, gatekeeper: Gatekeeper, bound: BoundSingleton, spec: RunSpec, *, dispatch: bool
+        self,
+        gatekeeper: Gatekeeper,
+        bound: BoundSingleton,
+        spec: RunSpec,
+        *,
+        dispatch: bool,
+        payload: bytes | None,
+        delay: float,
     ) -> RegisterOutcome | None:
         """Register the run before it is published; None: the store is down, publish it unregistered
         (a worker's dispatch of a chain step).
 
         Unconfirmed until published: a producer that dies before it publishes leaves a
-        registration that is passed over after the registration grace, not a ghost. A send
-        outside a worker's dispatch raises StoreUnavailableError when the store is down.
+        registration that is dropped after the registration grace. A send outside a worker's
+        dispatch raises StoreUnavailableError when the store is down.
         """
         try:
-            return gatekeeper.register(bound, spec, confirmed=False)
+            return gatekeeper.register(bound, spec, payload=payload, delay=delay, confirmed=False)
         except StoreUnavailableError:
             if not dispatch:
                 if not gatekeeper.ready:
@@ -333,12 +371,12 @@ class SingletonTask(Task):  # type: ignore[misc]
         gatekeeper: Gatekeeper,
         spec: RunSpec,
         publish: Callable[..., Any],
-        payload: bytes | None,
+        held_back: bool,
         in_flight: int,
     ) -> Any:
-        """Publish a registered run, held back when it has a payload; a failure undoes the registration."""
+        """Publish a registered run, held back if asked; a failure undoes the registration."""
         try:
-            if payload is None:
+            if not held_back:
                 return publish(spec.run_id)
             return publish(
                 spec.run_id, countdown=gatekeeper.deferral_delay(in_flight - spec.limit, spec.limit)
@@ -347,15 +385,15 @@ class SingletonTask(Task):  # type: ignore[misc]
             _undo_registration(gatekeeper, spec, self.name)
             raise
 
-    def _after_publish(self, gatekeeper: Gatekeeper, spec: RunSpec, payload: bytes | None) -> None:
-        """Confirm a published registration, or park one published held back (with its payload)."""
-        if payload is None:
+    def _after_publish(self, gatekeeper: Gatekeeper, spec: RunSpec, held_back: bool) -> None:
+        """Confirm a published registration, or park one published held back."""
+        if not held_back:
             # Batched off this thread; a store outage leaves it unconfirmed, and its delivery
             # confirms it (it takes its place in line).
             gatekeeper.confirm_later(spec)
             return
         try:
-            _publish_wakes(self._get_app(), gatekeeper.park(self.name, spec, payload))
+            _publish_wakes(self._get_app(), gatekeeper.park(self.name, spec))
         except Exception:
             # Published all the same: its held-back copy claims at its countdown, as a deferral.
             logger.warning(
@@ -544,6 +582,28 @@ def _connect_signals() -> None:
     signals.task_postrun.connect(_on_postrun, weak=False, dispatch_uid="singleton_tasks.postrun")
     signals.task_revoked.connect(_on_revoked, weak=False, dispatch_uid="singleton_tasks.revoked")
     signals.task_failure.connect(_on_failure, weak=False, dispatch_uid="singleton_tasks.failure")
+    signals.worker_ready.connect(_on_worker_ready, weak=False, dispatch_uid="singleton_tasks.worker_ready")
+    # A prefork pool process ends with os._exit inside billiard's worker loop: no atexit and no
+    # multiprocessing finalizer runs there, only this signal. Sends of its tasks stay confirmed.
+    signals.worker_process_shutdown.connect(
+        _on_process_shutdown, weak=False, dispatch_uid="singleton_tasks.process_shutdown"
+    )
+
+
+def _on_worker_ready(sender: Any = None, **_: Any) -> None:
+    """Start the worker's heartbeat thread in its main process, once its pool is up: it does the
+    due work of keys no delivery touches (re-issues of lost copies, evictions) and publishes
+    the copies the store issues (docs/concepts.md#the-line)."""
+    app = getattr(sender, "app", None)
+    if app is None or not any(isinstance(task, SingletonTask) for task in list(app.tasks.values())):
+        return
+    gatekeeper = gatekeeper_for(app)
+    gatekeeper.publish_wakes = lambda wakes: _publish_wakes(app, wakes)
+    gatekeeper.heartbeats.start()
+
+
+def _on_process_shutdown(**_: Any) -> None:
+    confirm_at_exit()
 
 
 _connect_signals()  # SingletonTask works without install(): the app.conf / env / default store
@@ -604,20 +664,39 @@ def _signature_for(
     return task.signature(args, kwargs, **signature_options, task_id=run_id)
 
 
-def _encoded_payload(task: SingletonTask, run_id: str, signature: Callable[[], Signature]) -> bytes | None:
-    """``signature()`` as the JSON a wake publishes (its generation header left out), or None.
+def _json_payload(built: Signature) -> bytes:
+    """``built`` as the JSON a wake publishes (its generation header left out); raises when an
+    argument or option JSON cannot carry."""
+    options = built.options
+    options["headers"] = {k: v for k, v in (options.get("headers") or {}).items() if k != GENERATION_HEADER}
+    data: str = _json.dumps(dict(built))
+    return data.encode()
 
-    None when an argument or option JSON cannot carry: such a run is not held back at enqueue,
-    and a release cannot wake it (its retry timer does).
-    """
+
+def _delay_of(options: Mapping[str, Any]) -> float:
+    """Seconds a run published with these options waits before its delivery (countdown / eta)."""
+    countdown = options.get("countdown")
+    if isinstance(countdown, (int, float)) and not isinstance(countdown, bool):
+        return max(0.0, float(countdown))
+    eta = options.get("eta")
+    if isinstance(eta, str):
+        try:
+            eta = datetime.datetime.fromisoformat(eta)
+        except ValueError:
+            return 0.0
+    if isinstance(eta, datetime.datetime):
+        now = datetime.datetime.fromtimestamp(clock.now(), tz=eta.tzinfo or datetime.timezone.utc)
+        if eta.tzinfo is None:  # Celery reads a naive eta in its app's timezone; UTC is the default
+            eta = eta.replace(tzinfo=datetime.timezone.utc)
+        return max(0.0, (eta - now).total_seconds())
+    return 0.0
+
+
+def _encoded_payload(task: SingletonTask, run_id: str, signature: Callable[[], Signature]) -> bytes | None:
+    """``signature()`` as the JSON a wake publishes, or None when JSON cannot carry it (a release
+    then cannot wake the run: its retry timer does)."""
     try:
-        built = signature()
-        options = built.options
-        options["headers"] = {
-            k: v for k, v in (options.get("headers") or {}).items() if k != GENERATION_HEADER
-        }
-        data: str = _json.dumps(dict(built))
-        return data.encode()
+        return _json_payload(signature())
     except Exception:
         logger.debug("%s run %s has no payload for a wake", task.name, run_id, exc_info=True)
         return None

@@ -1,12 +1,14 @@
-"""The ``singleton-tasks`` command: see keys, holders and waiters; free a stuck slot; migrate.
+"""The ``singleton-tasks`` command: see keys, holders and waiters; free a stuck slot; drop a
+key's waiters; migrate.
 
 Every command takes ``--store URL`` (or ``SINGLETON_TASKS_STORE``; default: the embedded
 SQLite store of this host) and ``--namespace`` (or ``SINGLETON_TASKS_NAMESPACE``; default
 ``default``). Store URLs are only ever shown with their password redacted.
 
 Exit codes: 0 success; 1 the command's answer is "no" (``release`` of an unknown run,
-``migrate --check`` with an upgrade due, a refused confirmation); 2 usage, configuration or
-store error (unreachable store, wrong schema version).
+``drop-waiters`` of an unknown key or with a waiter it did not drop, ``migrate --check`` with an
+upgrade due, a refused confirmation); 2 usage, configuration or store error (unreachable store,
+wrong schema version).
 
 ``inspect --json`` prints one JSON document; its format is in ``singleton-tasks inspect --help``
 (:data:`JSON_HELP`).
@@ -36,7 +38,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..errors import SingletonError
-from ..outcomes import HolderView, KeySnapshot, ReleaseOutcome, RunState, WaiterView
+from ..outcomes import HolderView, KeySnapshot, ReleaseOutcome, RunState, WaiterView, Wake
 from ..runtime import STORE_ENV
 from ..stores import SCHEMA_VERSION, Store, check_store_url, redact_url, store_from_url
 from ..stores.base import check_namespace
@@ -57,7 +59,7 @@ store's clock, durations are seconds; the store's password is redacted):
   "format": 1,
   "store": "redis://user:***@host:6379/0",     # redacted
   "namespace": "default",
-  "schema_version": 3,                           # null: the store was never migrated
+  "schema_version": 4,                           # null: the store was never migrated
   "now": 1767225600.0,
   "totals": {"keys": 1, "holders": 1, "waiters": 2},
   "keys": [                                      # sorted by scope, key
@@ -75,7 +77,10 @@ store's clock, durations are seconds; the store's password is redacted):
          "state": "gated",                       # "pending" | "gated" | "woken" | "phantom"
          "confirmed": true,                      # false: enqueue not yet confirmed
          "seen_at": …,                           # a live copy of it last reached the store
-         "passed_over": false}                   # unseen too long: owns no slot, not counted
+         "reissue_at": …,                        # owning a slot and unseen by then, the store
+                                                 # issues it again (null: never)
+         "passed_over": false}                   # always false: no waiter is passed over since
+                                                 # schema 4 (kept for readers of this format)
       ]
     }
   ]
@@ -214,8 +219,6 @@ def _holder_status(holder: HolderView) -> str:
 def _waiter_state(waiter: WaiterView, now: float) -> str:
     if waiter.phantom:
         return "phantom"
-    if waiter.passed_over_at is not None and waiter.passed_over_at < now:
-        return f"{waiter.state.value}, passed over"
     return waiter.state.value
 
 
@@ -251,7 +254,8 @@ def inspect_document(store: Store, snaps: Sequence[KeySnapshot], now: float) -> 
                         "state": "phantom" if w.phantom else w.state.value,
                         "confirmed": w.confirmed,
                         "seen_at": w.seen_at,
-                        "passed_over": w.passed_over_at is not None and w.passed_over_at < now,
+                        "reissue_at": w.reissue_at,
+                        "passed_over": False,
                     }
                     for w in snap.waiters
                 ],
@@ -380,7 +384,8 @@ def inspect_renderable(
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="singleton-tasks")
 def cli() -> None:
-    """Operate singleton-tasks: see keys, holders and waiters; free a stuck slot; migrate a store."""
+    """Operate singleton-tasks: see keys, holders and waiters; free a stuck slot; drop a key's
+    waiters; migrate a store."""
 
 
 @cli.command(epilog=JSON_HELP)
@@ -459,8 +464,7 @@ def release(store_url: str | None, namespace: str, run_id: str, yes: bool, broke
     when its deferred copy comes due: about a second later at the head of the line. With a
     Dramatiq --broker, the wakes are published at once.
     """
-    broker = _dramatiq_broker(broker_url) if broker_url else None
-    with open_store(store_url, namespace) as store:
+    with _broker(broker_url) as broker, open_store(store_url, namespace) as store:
         found = _find_run(_snapshots(store), run_id)
         if found is None:
             click.echo(
@@ -485,11 +489,11 @@ def release(store_url: str | None, namespace: str, run_id: str, yes: bool, broke
             [w.run_id for w in outcome.wakes] or "nobody",
         )
         click.echo(f"released {what}")
-        _report_next(store, snap, outcome, published=_publish_wakes(broker, broker_url, outcome))
+        _report_next(store, snap, outcome, published=_publish_wakes(broker, broker_url, outcome.wakes))
 
 
-def _report_next(store: Store, snap: KeySnapshot, outcome: ReleaseOutcome, published: set[str]) -> None:
-    for wake in outcome.wakes:
+def _report_wakes(wakes: Sequence[Wake], evicted: Sequence[str], published: set[str]) -> None:
+    for wake in wakes:
         how = (
             "its wake message was published"
             if wake.run_id in published
@@ -499,8 +503,12 @@ def _report_next(store: Store, snap: KeySnapshot, outcome: ReleaseOutcome, publi
             f"woke {wake.run_id} (generation {wake.generation}): "
             f"it owns a free slot of key {wake.key!r}; {how}"
         )
-    for run_id in outcome.evicted:
+    for run_id in evicted:
         click.echo(f"evicted orphaned holder {run_id}")
+
+
+def _report_next(store: Store, snap: KeySnapshot, outcome: ReleaseOutcome, published: set[str]) -> None:
+    _report_wakes(outcome.wakes, outcome.evicted, published)
     if not outcome.wakes:
         after = store.snapshot(scope=snap.scope, key=snap.key)
         waiters = after[0].waiters if after else ()
@@ -528,7 +536,21 @@ def _dramatiq_broker(url: str) -> Any:
     raise StoreProblem(f"--broker {redact_url(url)}: expected a redis://… or amqp://… Dramatiq broker URL")
 
 
-def _publish_wakes(broker: Any, broker_url: str | None, outcome: ReleaseOutcome) -> set[str]:
+@contextmanager
+def _broker(url: str | None) -> Iterator[Any]:
+    """The ``--broker`` of a command, made before the store is touched (a wrong URL changes
+    nothing) and closed however the command ends; None without ``--broker``."""
+    if url is None:
+        yield None
+        return
+    broker = _dramatiq_broker(url)
+    try:
+        yield broker
+    finally:
+        broker.close()
+
+
+def _publish_wakes(broker: Any, broker_url: str | None, wakes: Sequence[Wake]) -> set[str]:
     """Publish the wakes on a Dramatiq broker; a failure leaves them to their deferred copies."""
     published: set[str] = set()
     if broker is None or broker_url is None:
@@ -536,7 +558,7 @@ def _publish_wakes(broker: Any, broker_url: str | None, outcome: ReleaseOutcome)
     from ..dramatiq import wake_message
 
     try:
-        for wake in outcome.wakes:
+        for wake in wakes:
             if wake.payload is None:
                 continue
             try:
@@ -549,9 +571,107 @@ def _publish_wakes(broker: Any, broker_url: str | None, outcome: ReleaseOutcome)
     except Exception as error:
         detail = _scrub(f"{type(error).__name__}: {error}", broker_url)
         click.echo(f"publishing wakes on {redact_url(broker_url)} failed ({detail})", err=True)
-    finally:
-        broker.close()
     return published
+
+
+# -- drop-waiters ---------------------------------------------------------------------------------
+
+
+def _one_key(store: Store, scope: str | None, key: str) -> KeySnapshot | None:
+    """The key to act on; a usage error when several scopes use it and none was chosen."""
+    snaps = _snapshots(store, scope=scope, key=key)
+    if len(snaps) > 1:
+        scopes = ", ".join(repr(s.scope) for s in snaps)
+        raise click.UsageError(f"key {key!r} is used by several scopes ({scopes}): choose one with --scope")
+    return snaps[0] if snaps else None
+
+
+@cli.command("drop-waiters")
+@store_options
+@click.option("--key", required=True, help="The key whose waiters to drop.")
+@click.option(
+    "--scope", default=None, help="The key's scope (default: a task's name); needed if several use the key."
+)
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+@click.option(
+    "--broker",
+    "broker_url",
+    default=None,
+    metavar="URL",
+    help="Dramatiq broker (redis://… or amqp://…) to publish the woken waiters' messages on at once.",
+)
+def drop_waiters(
+    store_url: str | None, namespace: str, key: str, scope: str | None, yes: bool, broker_url: str | None
+) -> None:
+    """Cancel every run waiting on KEY; its holders keep their slots.
+
+    Purging a broker queue does not cancel singleton runs: the store keeps them in line and
+    re-issues their copies. This settles each listed waiter in the store, as `release` would;
+    a waiter admitted meanwhile by a copy of it is left alone (it settles where it runs).
+
+    Exit code 0 when every listed waiter was dropped (or the key had none), 1 when one was
+    not (admitted or settled meanwhile), the key is unknown or the confirmation is refused.
+    """
+    with _broker(broker_url) as broker, open_store(store_url, namespace) as store:
+        snap = _one_key(store, scope, key)
+        where = f"in {store.url} (namespace {store.namespace})"
+        if snap is None:
+            scoped = f" of scope {scope!r}" if scope is not None else ""
+            click.echo(f"key {key!r}{scoped} has no holders or waiters {where}", err=True)
+            sys.exit(1)
+        what = f"key {snap.key!r} (scope {snap.scope!r})"
+        if not snap.waiters:
+            click.echo(f"{what} has no waiters: nothing to drop")
+            return
+        now = store.time()
+        click.echo(
+            f"{what} {where}: waiters to drop {len(snap.waiters)}, holders left alone {len(snap.holders)}"
+        )
+        for w in snap.waiters:
+            click.echo(f"{w.position:>6}  {w.run_id}  {_waiter_state(w, now)}")
+        if not yes and not click.confirm(f"Drop these {len(snap.waiters)} waiters?", default=False):
+            click.echo("nothing dropped", err=True)
+            sys.exit(1)
+        who = _who()
+        dropped: set[str] = set()
+        wakes: dict[str, Wake] = {}
+        evicted: list[str] = []
+        # Back to front: dropping a waiter never makes one behind it own a slot, so no listed
+        # waiter is woken (and admitted by its wake) by this command's own drops.
+        for w in reversed(snap.waiters):
+            outcome = store.release(snap.scope, snap.key, w.run_id, token=None, waiting_only=True)
+            wakes.update((wake.run_id, wake) for wake in outcome.wakes)
+            evicted.extend(outcome.evicted)
+            if outcome.released:
+                dropped.add(w.run_id)
+                logger.warning(
+                    "operator drop of a waiter by %s: run %s (position %d) of %s in %s namespace %r",
+                    who,
+                    w.run_id,
+                    w.position,
+                    what,
+                    store.url,
+                    store.namespace,
+                )
+        after = _one_key(store, snap.scope, snap.key)
+        holding = {h.run_id for h in after.holders} if after else set()
+        waiting = {w.run_id for w in after.waiters} if after else set()
+        for w in snap.waiters:
+            if w.run_id in dropped:
+                click.echo(f"dropped {w.run_id} (position {w.position})")
+            elif w.run_id in holding:
+                click.echo(f"{w.run_id}: admitted meanwhile, left (it settles where it runs)")
+            elif w.run_id in waiting:
+                click.echo(f"{w.run_id}: still waiting, not dropped (try `release {w.run_id}`)")
+            else:
+                click.echo(f"{w.run_id}: settled meanwhile")
+        woken = [wake for run_id, wake in wakes.items() if run_id not in dropped]
+        _report_wakes(woken, evicted, published=_publish_wakes(broker, broker_url, woken))
+        click.echo(
+            f"dropped {len(dropped)} of {len(snap.waiters)} waiters of {what}; {len(waiting)} waiting now"
+        )
+        if len(dropped) < len(snap.waiters):
+            sys.exit(1)
 
 
 # -- top ------------------------------------------------------------------------------------------

@@ -89,6 +89,11 @@ class KeyFailed(SingletonKeyError, SkipMessage):
     """A delivery whose key cannot be derived: failed to the dead-letter queue, not retried."""
 
 
+class PayloadError(core.SingletonPayloadError, MiddlewareError):
+    """The message cannot be encoded (an argument JSON cannot carry): raised by ``.send()``,
+    nothing registered or published."""
+
+
 class StoreUnavailable(core.StoreUnavailableError, MiddlewareError):
     """The store failed at enqueue: raised by ``.send()``, nothing published."""
 
@@ -202,6 +207,8 @@ class SingletonMiddleware(dramatiq.Middleware):
     def before_worker_boot(self, broker: Broker, worker: Worker) -> None:
         """Refuse to start against a missing or incompatible store schema (docs/deployment.md)."""
         self._quiet.install()
+        # The heartbeat thread publishes the copies the store issues for keys nobody calls.
+        self.gatekeeper.publish_wakes = lambda wakes: self._wake(broker, wakes)
         singletons = [bound for actor in list(broker.actors.values()) if (bound := _bind(actor)) is not None]
         try:
             self.gatekeeper.check(singletons)
@@ -239,12 +246,30 @@ class SingletonMiddleware(dramatiq.Middleware):
             if lenient:  # never raise into emit_after: the gate fails it to the dead letters
                 return
             raise SingletonKeyError(str(error)) from error
+        try:
+            # Encoded before anything is written: the store issues the run from it if its
+            # copies are lost, and a message that cannot be encoded leaves no trace.
+            payload = message.encode()
+        except Exception as error:
+            if lenient:
+                return  # never raise into emit_after: the publish fails the same way
+            raise PayloadError(
+                f"{bound.task_name} run {message.message_id}: its message cannot be encoded ({error}); "
+                "nothing was sent"
+            ) from error
         if lenient:
             # The framework continues work it accepted (a pipeline step, a group callback, a
             # delay-queue move): it must not be lost to the cap, which held when it was started.
             spec = replace(spec, max_queue_depth=None)
         try:
-            outcome = self.gatekeeper.register(bound, spec, confirmed=False, full_error=QueueFull)
+            outcome = self.gatekeeper.register(
+                bound,
+                spec,
+                payload=payload,
+                delay=(delay or 0) / 1000,
+                confirmed=False,
+                full_error=QueueFull,
+            )
         except QueueFull:
             raise
         except core.SingletonError as error:
@@ -257,7 +282,7 @@ class SingletonMiddleware(dramatiq.Middleware):
             # A store that could not even be opened (not ready) has written nothing.
             if self.gatekeeper.ready and isinstance(error, core.StoreUnavailableError):
                 # The registration may have been written before the reply was lost (a timeout): undo
-                # it now rather than leave a ghost until its grace lapses and the key is touched again.
+                # it now rather than leave it in line until its grace lapses.
                 self.gatekeeper.settle_or_retry(
                     lambda: self.gatekeeper.unregister(spec), f"undoing the registration of run {spec.run_id}"
                 )
@@ -516,6 +541,7 @@ def _for_sender(error: core.SingletonError) -> MiddlewareError:
         (core.StoreUnavailableError, StoreUnavailable),
         (core.SchemaVersionError, SchemaError),
         (core.SingletonKeyError, SingletonKeyError),
+        (core.SingletonPayloadError, PayloadError),
         (core.SingletonConfigError, ConfigError),
     )
     for core_kind, kind in kinds:
@@ -626,6 +652,7 @@ __all__ = [
     "ConfigError",
     "DeferralFailed",
     "KeyFailed",
+    "PayloadError",
     "QueueFull",
     "SchemaError",
     "SingletonKeyError",
