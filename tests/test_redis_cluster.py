@@ -338,6 +338,26 @@ def test_scripts_are_loaded_again_where_a_primary_lost_them(redis_cluster: Loopb
         store.close()
 
 
+@cluster
+def test_retention_in_the_cluster_url(redis_cluster: LoopbackCluster) -> None:
+    """The URL's other options still reach the client (tests/test_config.py checks the parse)."""
+    made = store_from_url(
+        redis_cluster.url + "?retention=7&client_name=kept", namespace=f"c{uuid.uuid4().hex[:12]}"
+    )
+    try:
+        assert made.retention == 7.0
+        made.migrate()
+        made.register(RunSpec(SCOPE, "k", "r1"))
+        assert [snap.key for snap in made.snapshot()] == ["k"]
+        primary = made._servers()[0]  # type: ignore[attr-defined]
+        assert primary.client_getname() in ("kept", b"kept")
+    finally:
+        made.release(SCOPE, "k", "r1", token=None)
+        for key in list(made._client.scan_iter(match=f"{made.namespace}:*", count=1000)):  # type: ignore[attr-defined]
+            made._client.delete(key)  # type: ignore[attr-defined]
+        made.close()
+
+
 # -- bad input (no cluster needed) ----------------------------------------------------------------
 @pytest.mark.parametrize(
     ("url", "what"),

@@ -32,7 +32,7 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from importlib import resources
 from typing import Any, NoReturn, cast
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -82,9 +82,12 @@ _OPERATIONS = (
     "tick",
     "migrate",
 )
+#: The operations a refusal found by check_health stops: those that let a new run in.
+_ADMITTING = frozenset({"register", "claim"})
 _GLOB_SPECIAL = re.compile(rb"([*?\[\]\\])")
-#: The store's own options in a Redis URL's query (the rest go to redis-py).
-STORE_QUERY_OPTIONS = ("allow_eviction", "wait_replicas", "wait_timeout_ms")
+#: The store's own options in a Redis URL's query (the rest go to redis-py); ``retention`` is
+#: every store's (read by the base class).
+STORE_QUERY_OPTIONS = ("allow_eviction", "wait_replicas", "wait_timeout_ms", "retention")
 #: How long a writing operation waits for its replicas by default (``wait_replicas`` given).
 DEFAULT_WAIT_TIMEOUT_MS = 1000
 _TRUE, _FALSE = ("true", "yes", "1", "on"), ("false", "no", "0", "off")
@@ -232,6 +235,26 @@ def _flag(name: str, value: object, where: str) -> bool:
     raise SingletonConfigError(f"{where}: {name} must be true or false, got {value!r}")
 
 
+#: redis-py's timeouts, in seconds: 0 makes every call fail at once, a negative, non-finite or
+#: huge one fails every connect (Python's socket timeouts end at int64 nanoseconds).
+TIMEOUT_OPTIONS = ("socket_timeout", "socket_connect_timeout")
+_MAX_TIMEOUT = 1e9
+
+
+def check_timeouts(options: Mapping[str, object], where: str) -> None:
+    """SingletonConfigError naming the option and its value when a timeout would fail every call
+    (None, no timeout, is allowed)."""
+    for name in TIMEOUT_OPTIONS:
+        value = options.get(name)
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= _MAX_TIMEOUT
+        ):
+            raise SingletonConfigError(
+                f"{where}: {name} must be a number of seconds above 0 and at most {_MAX_TIMEOUT:g} "
+                f"(or None: no timeout), got {value!r}"
+            )
+
+
 def _count(name: str, value: object, where: str) -> int:
     """A whole number ≥ 1 (digits in a URL)."""
     number = value
@@ -336,7 +359,9 @@ class RedisStore(Store):
         store_options(url, {})  # the store's own options (allow_eviction, wait_replicas, ...)
         node_url = cls._node_url(split_store_options(url)[0])
         super().check_url(node_url)
-        redis.connection.parse_url(node_url)  # type: ignore[no-untyped-call]  # ValueError: a bad option
+        # ValueError: a bad option
+        url_options = redis.connection.parse_url(node_url)  # type: ignore[no-untyped-call]
+        check_timeouts(url_options, f"Redis store {redact_url(url)}")
 
     @staticmethod
     def _node_url(url: str) -> str:
@@ -380,17 +405,26 @@ class RedisStore(Store):
         if redis_options.get("decode_responses"):
             raise SingletonConfigError(f"{self!r}: decode_responses is not supported (payloads are bytes)")
         try:
-            # A hung server must fail an operation (StoreUnavailableError), not block it forever.
-            redis_options.setdefault("socket_timeout", 5.0)
-            redis_options.setdefault("socket_connect_timeout", 5.0)
+            node_url = self._node_url(split_store_options(url)[0])
+            url_options = redis.connection.parse_url(node_url)  # type: ignore[no-untyped-call]
+            check_timeouts(redis_options, repr(self))
+            check_timeouts(url_options, f"{self!r} (URL)")
+            for name in TIMEOUT_OPTIONS:
+                if name not in url_options:  # the URL's own stays (the Sentinel client prefers keywords)
+                    # A hung server must fail an operation (StoreUnavailableError), not block it forever.
+                    redis_options.setdefault(name, 5.0)
             self._client: redis.Redis = self._connect(split_store_options(url)[0], redis_options)
+        except SingletonConfigError:
+            raise
         except (ValueError, TypeError) as error:
             # The driver's message may quote the URL: never let it show the password.
             detail, password = str(error), _password(url)
             if password and password in detail:
                 detail = type(error).__name__
             raise SingletonConfigError(f"invalid Redis store {self.url}: {detail}") from None
-        socket_timeout = redis_options.get("socket_timeout")
+        # Given both ways, redis-py takes the URL's and the Sentinel client the keyword: the shorter counts.
+        given = [t for t in (url_options.get("socket_timeout"), redis_options.get("socket_timeout")) if t]
+        socket_timeout = min(given, default=None)
         if (
             self._wait is not None
             and socket_timeout
@@ -402,6 +436,9 @@ class RedisStore(Store):
             )
         # The server's eviction policy and replicas, checked at first use (once per store).
         self._server_checked = False
+        # The refusal check_health found (an allkeys-* policy set at runtime): registrations and
+        # claims raise it until a check passes again.
+        self._refusal: str | None = None
         self._server_check_lock = threading.Lock()
         self._scripts: dict[str, Script] = {
             name: self._client.register_script(text) for name, text in _load_scripts().items()
@@ -461,13 +498,9 @@ class RedisStore(Store):
                 "memory pressure and two runs of one key can then hold it at once: use noeviction",
                 self,
             )
-        elif policy.startswith("allkeys-") and not self.options.allow_eviction:
-            raise SingletonConfigError(
-                f"{self!r}: the server's maxmemory-policy is {policy}: under memory pressure Redis "
-                "would evict the store's keys (a running holder's slot, the key's token) and admit a "
-                "second run of a key while the first runs. Set maxmemory-policy noeviction, or give "
-                "the store a dedicated Redis; allow_eviction=true accepts that risk. Nothing was written"
-            )
+        refusal = self._eviction_refusal(policy)
+        if refusal is not None:
+            raise SingletonConfigError(refusal)
         if self._wait is not None:
             wait_replicas = self.options.wait_replicas or 0
             replicas = int(client.info("replication").get("connected_slaves", 0))
@@ -476,6 +509,34 @@ class RedisStore(Store):
                     f"{self!r}: wait_replicas={wait_replicas} but the primary has {replicas} connected "
                     "replica(s): every write would fail. Nothing was written"
                 )
+
+    def _eviction_refusal(self, policy: str | None) -> str | None:
+        """Why the store refuses a server evicting by ``policy``; None: it does not."""
+        if policy is None or not policy.startswith("allkeys-") or self.options.allow_eviction:
+            return None
+        return (
+            f"{self!r}: the server's maxmemory-policy is {policy}: under memory pressure Redis "
+            "would evict the store's keys (a running holder's slot, the key's token) and admit a "
+            "second run of a key while the first runs. Set maxmemory-policy noeviction, or give "
+            "the store a dedicated Redis; allow_eviction=true accepts that risk. Nothing was written"
+        )
+
+    def check_health(self) -> None:
+        """Read every server's eviction policy again (:meth:`Store.check_health`).
+
+        An ``allkeys-*`` policy set while the store runs (``CONFIG SET``) is refused as at first
+        use, by this call and by every registration and claim until a call finds it changed back.
+        """
+        try:
+            policies = [self._eviction_policy(server) for server in self._servers()]
+        except redis.exceptions.RedisError as error:
+            self._fail(error)
+        refusal = next(filter(None, map(self._eviction_refusal, policies)), None)
+        if refusal is None and self._refusal is not None:
+            logger.warning("%r: the server's maxmemory-policy is accepted again: runs are admitted", self)
+        self._refusal = refusal
+        if refusal is not None:
+            raise SingletonConfigError(refusal)
 
     @staticmethod
     def _eviction_policy(client: redis.Redis) -> str | None:
@@ -678,6 +739,8 @@ class RedisStore(Store):
 
     def _key_op(self, name: str, scope: str, key: str, run_id: str, *args: bytes) -> Any:
         """A per-key script: lib.lua's KEYS and ARGV layout, then ``args``."""
+        if self._refusal is not None and name in _ADMITTING:
+            raise SingletonConfigError(self._refusal)  # a new error: its traceback is this call's
         return self._eval(name, 8, *self._key_args(scope, key, run_id, *args))
 
     def _key_args(self, scope: str, key: str, run_id: str, *args: bytes) -> tuple[bytes, ...]:

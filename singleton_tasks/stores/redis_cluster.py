@@ -124,9 +124,9 @@ class RedisClusterStore(RedisStore):
 
     schemes = ("redis+cluster", "rediss+cluster")
 
-    @classmethod
-    def check_url(cls, url: str) -> None:
-        cluster_seeds(url)  # ValueError: no host, a bad port, a database other than 0, a bad option
+    @staticmethod
+    def _node_url(url: str) -> str:
+        return cluster_seeds(url)[0]  # ValueError: no host, a bad port, a database other than 0
 
     def _connect(self, url: str, redis_options: dict[str, Any]) -> redis.Redis:
         from ._cluster_client import ClusterClient
