@@ -13,6 +13,10 @@ namespace written by schema version 2 or older has no index: ``migrate`` builds 
 ``SCAN`` of the database), and workers refuse an unmigrated namespace
 (docs/deployment.md#schema-upgrades).
 
+Keys with work of their own to do (a key's ``due_at``, :mod:`singleton_tasks.gate`) are listed
+by the same scripts in a second index, a sorted set of their hash tags scored by ``due_at``,
+``<namespace>:due``: :meth:`RedisStore.tick_due` reads the keys due by now from it.
+
 On Redis 7 and later the scripts are loaded once as a function library and each operation is
 one ``FCALL``: ``lib.lua`` then runs once per server instead of once per call (it is about two
 thirds of a small operation's server time). Servers without functions, or users not allowed
@@ -30,7 +34,7 @@ import re
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from importlib import resources
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 try:  # the driver, when installed (Store.check_drivers names the extra otherwise)
@@ -50,6 +54,7 @@ from ..gate import KeyMeta, RunRecord, Timings
 from ..outcomes import (
     ClaimOutcome,
     Decision,
+    DueOutcome,
     HeartbeatOutcome,
     HolderRef,
     HolderView,
@@ -74,6 +79,8 @@ _OPERATIONS = (
     "heartbeat",
     "release",
     "snapshot",
+    "tick",
+    "migrate",
 )
 #: The operations a refusal found by check_health stops: those that let a new run in.
 _ADMITTING = frozenset({"register", "claim"})
@@ -439,6 +446,7 @@ class RedisStore(Store):
         self._ns = _text(self.namespace)
         self._ns_colon = self._ns + b":"
         self._busy_key = self._ns_colon + b"busy"
+        self._due_key = self._ns_colon + b"due"
         self._threads = threading.local()
         # Raised when the pinned connections must connect again (the Sentinel store: a failover);
         # each thread compares it with its connection's before every call.
@@ -570,6 +578,10 @@ class RedisStore(Store):
         """The busy-key index that lists the key of hash tag ``tag``: on one server, one per
         namespace whatever the tag (the cluster store keeps one per hash slot)."""
         return self._busy_key
+
+    def _due_index_key(self, tag: bytes) -> bytes:
+        """The due-key index that lists the key of hash tag ``tag`` (as :meth:`_index_key`)."""
+        return self._due_key
 
     # -- plumbing -----------------------------------------------------------------------------
 
@@ -729,22 +741,27 @@ class RedisStore(Store):
         """A per-key script: lib.lua's KEYS and ARGV layout, then ``args``."""
         if self._refusal is not None and name in _ADMITTING:
             raise SingletonConfigError(self._refusal)  # a new error: its traceback is this call's
-        return self._eval(name, 7, *self._key_args(scope, key, run_id, *args))
+        return self._eval(name, 8, *self._key_args(scope, key, run_id, *args))
 
     def _key_args(self, scope: str, key: str, run_id: str, *args: bytes) -> tuple[bytes, ...]:
-        """The seven keys and the arguments of a per-key script (lib.lua's layout), then ``args``."""
-        tag, run = _hash_tag(scope, key), _text(run_id)
+        """The eight keys and the arguments of a per-key script (lib.lua's layout), then ``args``."""
+        return self._tag_args(_hash_tag(scope, key), _text(scope), _text(key), _text(run_id), *args)
+
+    def _tag_args(self, tag: bytes, scope: bytes, key: bytes, run: bytes, *args: bytes) -> tuple[bytes, ...]:
+        """:meth:`_key_args` of the key of hash tag ``tag`` (tick and migrate know only the tag:
+        they pass an empty scope, key and run id)."""
         prefix = self._ns_colon + tag + b":"
         return (
             prefix + b"meta",
             prefix + b"waiters",
             prefix + b"holders",
-            prefix + b"overdue",
+            prefix + b"unconfirmed",
             prefix + b"run:" + run,
             prefix + b"settled:" + run,
             self._index_key(tag),
-            _text(scope),
-            _text(key),
+            self._due_index_key(tag),
+            scope,
+            key,
             run,
             self._clock_arg(),
             *_timing_args(self.timings),
@@ -753,7 +770,9 @@ class RedisStore(Store):
 
     # -- the protocol -------------------------------------------------------------------------
 
-    def register(self, spec: RunSpec, *, confirmed: bool = True) -> RegisterOutcome:
+    def register(
+        self, spec: RunSpec, *, payload: bytes | None = None, delay: float = 0.0, confirmed: bool = True
+    ) -> RegisterOutcome:
         limit, lease, orphan_timeout, recheck = _spec_args(
             spec.limit, spec.lease, spec.orphan_timeout, spec.recheck
         )
@@ -768,6 +787,9 @@ class RedisStore(Store):
             lease,
             orphan_timeout,
             recheck,
+            b"0" if payload is None else b"1",
+            b"" if payload is None else bytes(payload),
+            _time(delay),
         )
         return RegisterOutcome(_REGISTERED[status], int(in_flight))
 
@@ -797,9 +819,9 @@ class RedisStore(Store):
         """The confirms of ``runs`` in one write on ``client``'s own connection; None if a reply
         is an error (the caller sends them again one at a time). Raises RedisError."""
         if self._functions:
-            head = (b"FCALL", self._function_names["confirm"], b"7")
+            head = (b"FCALL", self._function_names["confirm"], b"8")
         else:
-            head = (b"EVALSHA", self._scripts["confirm"].sha.encode(), b"7")
+            head = (b"EVALSHA", self._scripts["confirm"].sha.encode(), b"8")
         calls = [(*head, *self._key_args(scope, key, run_id)) for scope, key, run_id in runs]
         replies, acknowledged = _call_batch(client, calls, self._wait)
         if any(isinstance(reply, Exception) for reply in replies):
@@ -811,8 +833,8 @@ class RedisStore(Store):
     def unregister(self, scope: str, key: str, run_id: str) -> bool:
         return bool(self._key_op("unregister", scope, key, run_id))
 
-    def park(self, scope: str, key: str, run_id: str, payload: bytes) -> tuple[Wake, ...]:
-        return _wakes(scope, key, self._key_op("park", scope, key, run_id, bytes(payload)))
+    def park(self, scope: str, key: str, run_id: str) -> tuple[Wake, ...]:
+        return _wakes(scope, key, self._key_op("park", scope, key, run_id))
 
     def claim(self, spec: RunSpec, generation: int, payload: bytes | None = None) -> ClaimOutcome:
         limit, lease, orphan_timeout, recheck = _spec_args(
@@ -880,6 +902,32 @@ class RedisStore(Store):
         return HeartbeatOutcome(
             tuple(ref.run_id for ref, ok in zip(holders, alive, strict=True) if not ok), float(now)
         )
+
+    def tick_due(self, *, limit: int = 64) -> list[DueOutcome]:
+        """``tick.lua`` on each of the ``limit`` keys due earliest that the due index lists as
+        due before now (the store's clock): one call per key, which reads the key's scope and
+        key itself. A listed key that is gone or idle is only taken off the index. Returns the
+        keys where something was done."""
+        done = []
+        for tag in self._due_tags(self.time(), limit):
+            reply = self._eval("tick", 8, *self._tag_args(tag, b"", b"", b""))
+            if reply and (reply[2] or reply[3] or reply[4]):
+                scope_b, key_b, wakes, evicted, removed = reply
+                scope, key = _str(scope_b), _str(key_b)
+                done.append(
+                    DueOutcome(scope, key, _wakes(scope, key, wakes), _names(evicted), _names(removed))
+                )
+        return done
+
+    def _due_tags(self, now: float, count: int) -> list[bytes]:
+        """The hash tags of up to ``count`` keys whose ``due_at`` is before ``now``, earliest first."""
+        try:
+            tags = self._thread_client().zrangebyscore(
+                self._due_key, "-inf", f"({float(now)!r}", start=0, num=count
+            )
+            return cast(list[bytes], tags)
+        except redis.exceptions.RedisError as error:
+            self._fail(error)
 
     # -- inspection ---------------------------------------------------------------------------
 
@@ -977,16 +1025,24 @@ class RedisStore(Store):
         return None if value is None else int(value)
 
     def migrate(self) -> None:
-        """Record the schema version; from version 2 or older, first build the busy-key index.
+        """Record the schema version; from version 2 or older, first build the busy-key index;
+        from version 3 or older, then bring each busy key to version 4.
 
         Versions 1 and 2 kept no index: every key with a holders or a waiters zset is added to
         it, found by one ``SCAN`` of the database (run it with the workers drained, as every
         upgrade: a key that goes idle during the scan may stay listed, and is then skipped by
-        ``inspect`` until its next call removes it). Running it again is harmless.
+        ``inspect`` until its next call removes it). Version 4 (``migrate.lua``, one call per
+        busy key) renames each run's ``passed_over_at`` to ``reissue_at``, indexes the
+        unconfirmed waiters, drops the ``overdue`` zset and makes the key due at once: the first
+        heartbeat's :meth:`tick_due` recomputes its ``due_at``. Running it again is harmless.
         """
         found = self.schema_version()
         if found is not None and found < SCHEMA_VERSION:
-            self._index_busy_keys()
+            if found < 3:
+                self._index_busy_keys()
+            if found < 4:
+                for tag in self._busy_tags():
+                    self._eval("migrate", 8, *self._tag_args(tag, b"", b"", b""))
         self._write_schema_version(SCHEMA_VERSION)
 
     def _index_busy_keys(self) -> None:
