@@ -688,8 +688,12 @@ class _Heartbeater:
     def tick(self) -> None:
         """The due work of keys nobody calls (:meth:`Gatekeeper.tick_due`), for at most SWEEP_SLICE."""
         until = time.monotonic() + SWEEP_SLICE
-        while self._gatekeeper.tick_due() >= TICK_BATCH and time.monotonic() < until:
-            pass  # a full batch: more keys may be due
+        try:
+            while self._gatekeeper.tick_due() >= TICK_BATCH and time.monotonic() < until:
+                pass  # a full batch: more keys may be due
+        except StoreUnavailableError as error:
+            # An outage is the beat's and the operations' to report: not twice per interval.
+            logger.debug("the due keys' work failed: %s", error)
 
     def sweep(self) -> None:
         """Forget a slice of the store's expired state (settled markers, idle keys).
