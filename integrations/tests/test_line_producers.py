@@ -268,7 +268,8 @@ def test_skewed_workers_hand_the_line_on_at_each_release(
 ) -> None:
     """Workers at +900 s and −900 s on one queue: a holder and 8 waiters of one key run one after
     the other in send order, each starting within MAX_HANDOFF s of the previous one's end, and a run
-    sent 35 s later runs last.
+    sent 35 s later runs last. The Redis store: its rules (Lua) hand the line on and its TIME
+    decides every deadline.
 
     Dramatiq only: the runner shifts ``time.time``, which Dramatiq stamps ETAs with; Celery stamps
     them with ``datetime.now`` and its worker times them with kombu's own ``time`` (both real here),
@@ -276,7 +277,7 @@ def test_skewed_workers_hand_the_line_on_at_each_release(
     """
     if framework != "dramatiq":
         pytest.skip("Celery's ETAs do not follow the runner's clock shift: no copy is parked")
-    h = harness("skew-line", framework, broker, "postgres", threads=4, **LIBRARY_TIMINGS)
+    h = harness("skew-line", framework, broker, "redis", threads=4, **LIBRARY_TIMINGS)
     skewed = {shift: h.workers.start(1, wait=False, clock_shift=shift)[0] for shift in (SKEW, -SKEW)}
     h.workers.wait_ready(list(skewed.values()))
     line = [h.producer.send(SKEW_TASK, "L", SKEW_BODY, item=i) for i in range(1 + SKEW_WAITERS)]
