@@ -168,11 +168,12 @@ class CeleryDriver(Driver):
     framework = "celery"
     ready_text = " ready."
 
-    def __init__(self, settings: Settings, pool: str = "threads") -> None:
+    def __init__(self, settings: Settings, pool: str = "threads", max_tasks_per_child: int = 0) -> None:
         super().__init__(settings)
         from .celery_app import build
 
         self.pool = pool
+        self.max_tasks_per_child = max_tasks_per_child  # > 0: a pool process exits after that many tasks
         self.app = build(settings)
         self.sent: dict[str, tuple[str, tuple[Any, ...]]] = {}
 
@@ -195,6 +196,7 @@ class CeleryDriver(Driver):
             f"{worker}-{uuid.uuid4().hex[:6]}@%h",
             "--loglevel",
             "INFO",
+            *(["--max-tasks-per-child", str(self.max_tasks_per_child)] if self.max_tasks_per_child else []),
         ]
 
     def prepare(self, task: str, key: str, item: int, duration: float, fail: bool) -> Prepared:
