@@ -9,7 +9,7 @@ from rich.console import Console
 
 from integrations.checker import CheckResult, check, lost_to_broker
 from integrations.runlog import Body, Delivery, Enqueue, Event, RunData, Scenario
-from singleton_tasks.outcomes import KeySnapshot, RunState, WaiterView
+from singleton_tasks.outcomes import HolderView, KeySnapshot, RunState, WaiterView
 
 T0 = 1000.0
 
@@ -146,41 +146,101 @@ def test_killed_body_ends_at_the_kill() -> None:
     assert result.dangling and result.overlaps
 
 
-def test_lost_run_fails_unless_purged() -> None:
+def purge(at: float, *run_ids: str) -> Event:
+    return Event("purge", "", T0 + at, json.dumps(list(run_ids)))
+
+
+def test_a_purged_waiter_must_run() -> None:
+    """The store issues a purged waiter again: a purge excuses nothing that had not started."""
     d = data([enq("a", 1), enq("b", 2)], [body("a", 1, 2, 1)])
     assert check(d, [], now=T0 + 60).lost == ["b"]
-    purge = Event("purge", "", T0 + 3, json.dumps(["b"]))
-    result = check(data([enq("a", 1), enq("b", 2)], [body("a", 1, 2, 1)], [purge]), [], now=T0 + 60)
-    assert result.ok and result.purged == ["b"]
+    purged = check(data([enq("a", 1), enq("b", 2)], [body("a", 1, 2, 1)], [purge(3, "b")]), [], now=T0 + 60)
+    assert purged.lost == ["b"] and not purged.purged
+    ran = check(
+        data([enq("a", 1), enq("b", 2)], [body("a", 1, 2, 1), body("b", 9, 10, 2)], [purge(3, "b")]),
+        [],
+        now=T0 + 60,
+    )
+    assert ran.ok, ran.failures()
+    assert ran.purged_ran == ["b"] and "purged while waiting, ran anyway" in render(ran)
 
 
-def test_purged_waiter_is_lost_by_the_broker_once_passed_over_not_a_stuck_key() -> None:
-    purge = Event("purge", "", T0 + 3, json.dumps(["b"]))
-    d = data([enq("a", 1), enq("b", 2)], [body("a", 1, 2, 1)], [purge])
-
-    def left(passed_over_at: float | None) -> KeySnapshot:
-        waiter = WaiterView("b", 1, T0, RunState.GATED, True, T0 + 2, passed_over_at)
-        return KeySnapshot("mutex", "K", 1, 1, waiters=(waiter,))
-
-    result = check(d, [left(T0 + 10)], now=T0 + 60)
+def test_a_run_purged_while_holding_is_excused() -> None:
+    """A holder whose message is purged is evicted, never issued again: its body ran (or was killed)."""
+    bodies = [body("a", 1, None, 1), body("b", 9, 10, 2)]
+    d = data([enq("a", 1), enq("b", 2)], bodies, [kill(2), purge(3, "a")])
+    result = check(d, [], now=T0 + 60)
     assert result.ok, result.failures()
-    assert result.purged == ["b"] and not result.stuck_keys
-    assert "lost by the broker (purged on purpose)" in render(result)
-    # Still in line (never passed over, or not yet): the key is stuck.
-    assert check(d, [left(None)], now=T0 + 60).stuck_keys
-    assert check(d, [left(T0 + 90)], now=T0 + 60).stuck_keys
+    assert result.purged == ["a"] and "purged while holding" in render(result)
+    # Purged before its body started: a waiter then, so it must run.
+    late = data([enq("a", 1)], [body("a", 4, None, 1)], [purge(3, "a"), kill(5)])
+    assert check(late, [], now=T0 + 60).lost == ["a"]
 
 
-def test_fifo_inversion_fails_unless_passed_over_after_a_crash() -> None:
+def test_purged_runs_left_in_the_store_are_stuck_keys_unless_lapsed_holders() -> None:
+    d = data([enq("a", 1), enq("b", 2)], [body("a", 1, None, 1)], [kill(2), purge(3, "a", "b")])
+
+    def left(*, lease_until: float, waiting: bool) -> KeySnapshot:
+        holder = HolderView("a", 1, T0 + 1, T0 + 1, T0 + lease_until, True)
+        waiters = (WaiterView("b", 1, T0, RunState.GATED, True, T0 + 2, T0 + 6),) if waiting else ()
+        return KeySnapshot("mutex", "K", 1, 1, (holder,), waiters)
+
+    # The purged holder's lease lapsed and nothing waits: evicted at the key's next operation.
+    assert not check(d, [left(lease_until=4, waiting=False)], now=T0 + 60).stuck_keys
+    # Its lease is live: the key is held.
+    assert check(d, [left(lease_until=90, waiting=False)], now=T0 + 60).stuck_keys
+    # A purged waiter left in line is stuck (and lost): it is issued again, it must run.
+    waited = check(d, [left(lease_until=4, waiting=True)], now=T0 + 60)
+    assert waited.stuck_keys and waited.lost == ["b"]
+
+
+def test_an_abandoned_run_is_excused_an_unconfirmed_one_is_not() -> None:
+    """The store removes an abandoned waiter (retention): it may never run. A registration dropped
+    unconfirmed was published all the same: its message registers it again at first sight."""
+    enqueues = [enq("a", 1), enq("b", 2)]
+    abandoned = check(
+        data(enqueues, [body("a", 1, 2, 1)], [Event("abandoned", "w0", T0 + 5, json.dumps(["b"]))]),
+        [],
+        now=T0 + 60,
+    )
+    assert abandoned.ok and abandoned.abandoned == ["b"]
+    assert "abandoned by the store" in render(abandoned)
+    unconfirmed = check(
+        data(enqueues, [body("a", 1, 2, 1)], [Event("unconfirmed", "", T0 + 5, json.dumps(["b"]))]),
+        [],
+        now=T0 + 60,
+    )
+    assert unconfirmed.lost == ["b"]
+
+
+def test_fifo_inversion_fails_after_any_crash() -> None:
+    """No crash reorders the line: a kill, a SIGTERM, a store outage or a purge excuses nothing,
+    however long the later run waited."""
     enqueues = [enq("a", 1), enq("b", 2)]
     bodies = [body("b", 25, 26, 1), body("a", 30, 31, 2)]  # b went first 25 s after a's enqueue
     assert check(data(enqueues, bodies), [], now=T0 + 60).fifo_inversions
-    kill = Event("kill", "w9", T0 + 0.5, "")
-    excused = check(data(enqueues, bodies, [kill]), [], now=T0 + 60)
-    assert excused.ok and excused.fifo_excused == 1
-    # A crash, but b started before a could have been passed over (orphan_timeout 20 s).
-    early = [body("b", 1, 2, 1), body("a", 3, 4, 2)]
-    assert check(data(enqueues, early, [kill]), [], now=T0 + 60).fifo_inversions
+    for kind in ("kill", "term", "store_down", "purge"):
+        detail = json.dumps(["a"]) if kind == "purge" else ""
+        crash = Event(kind, "w9", T0 + 0.5, detail)
+        result = check(data(enqueues, bodies, [crash]), [], now=T0 + 60)
+        assert result.fifo_inversions and result.fifo_excused == 0, kind
+
+
+def test_fifo_inversion_is_excused_only_for_a_run_dropped_from_the_line() -> None:
+    """A run the store dropped (abandoned, or its registration unconfirmed past the grace) comes
+    back at first sight, at the back of the line: a later run may go first after the drop."""
+    enqueues = [enq("a", 1), enq("b", 2), enq("c", 3)]
+    bodies = [body("b", 25, 26, 1), body("c", 27, 28, 2), body("a", 30, 31, 3)]
+    for kind in ("abandoned", "unconfirmed"):
+        dropped = Event(kind, "", T0 + 12, json.dumps(["a"]))
+        excused = check(data(enqueues, bodies, [dropped]), [], now=T0 + 60)
+        assert excused.ok and excused.fifo_excused == 2, (kind, excused.failures())
+    # Dropped after b started: b went first while a was still in line.
+    late = Event("unconfirmed", "", T0 + 26.5, json.dumps(["a"]))
+    assert check(data(enqueues, bodies, [late]), [], now=T0 + 60).fifo_inversions
+    # The dropped run is the later one: the earlier run's place was never taken.
+    other = Event("unconfirmed", "", T0 + 12, json.dumps(["b"]))
+    assert check(data(enqueues, bodies, [other]), [], now=T0 + 60).fifo_inversions
 
 
 def test_token_order() -> None:
