@@ -89,9 +89,9 @@ class CheckResult:
     purged_ran: list[str] = field(default_factory=list)
     # Runs the store abandoned (removed from the line, logged at error): excused from invariant 2.
     abandoned: list[str] = field(default_factory=list)
-    # Runs whose message the broker lost before any delivery when a worker was SIGKILLed: only
-    # excused for a broker documented to lose them (kombu's Redis transport pops a message before
-    # it records it as unacked); they stay registered (pending) in the store, see the report.
+    # Holders whose retry the broker lost before any delivery when a worker was SIGKILLed: only
+    # excused for a broker documented to lose a message (kombu's Redis transport pops a message
+    # before it records it as unacked); a lost waiter's message is issued again and never excused.
     broker_lost: list[str] = field(default_factory=list)
     broker_loss_cap: int = 0  # how many the kills could have lost: per kill × kills (0: none declared)
     # Unfinished runs consistent with a loss in transit, but beyond the cap: counted as lost.
@@ -331,54 +331,35 @@ class BrokerLoss:
 
 
 def in_transit_since(data: RunData, run_id: str) -> float | None:
-    """When the run's newest message left for the broker, if no worker has received it since; else None.
+    """When the run's retry left for the broker, if it is the run's newest message and no worker has
+    received it since; else None.
+
+    Only a holder's message can be lost for good: a holder keeps its slot while its retry is on its
+    way, and the store never issues a holder again (it is evicted after ``orphan_timeout``). A
+    waiter's lost message (its first, a deferred copy, a wake) is issued again from the payload the
+    store keeps when the waiter's turn comes: it runs, and is never excused.
 
     Evidence from the log (Celery: ``received`` = kombu recorded the message as unacked, so a dead
-    worker's copy comes back after ``visibility_timeout``; ``delivery`` = task code saw it):
-
-    - nothing recorded for the run: its enqueued message never reached a worker — since its enqueue;
-    - its latest record is a delivery that published a new copy — deferred by the gate
-      (``IGNORED: deferred …``) or retried (``RETRY``, or a body that raised) — and nothing received
-      after it: since that delivery's start;
-    - its latest record is a delivery that dropped a stale copy: the live copy is a newer one published
-      elsewhere (a wake at a release) that no worker received — since the run's previous publishing
-      delivery (the wake came after it), or its enqueue;
-    - otherwise (its latest record is a receipt, a body killed mid-run, a body that returned, or a
-      delivery killed midway — then its receipt is the latest record) a worker had the message: not
-      in transit.
+    worker's copy comes back after ``visibility_timeout``): the run's latest record is a body that
+    raised (its retry is published as it ends) or a ``RETRY`` delivery, with no receipt after it —
+    since the body's end (the delivery's start). Otherwise (a receipt, a body killed mid-run or that
+    returned, a deferral, a dropped copy, nothing at all) it is not a holder's retry in transit.
     """
-    enqueued = [e.at for e in data.enqueues if e.run_id == run_id and e.accepted]
-    if not enqueued:
-        return None
     records: list[tuple[float, int, str, float | None]] = []  # (start, order, what, end)
     for d in data.deliveries:
         if d.run_id == run_id:
-            what = "received" if d.kind == "received" else _delivery_outcome(d.detail)
-            records.append((d.start, 0, what, d.end))
+            retried = d.kind == "delivery" and d.detail.startswith("RETRY")
+            records.append((d.start, 0, "retry" if retried else d.kind, d.end))
     for b in data.bodies:
         if b.run_id == run_id:
             # A body starts after its delivery's start: it is the later record of that delivery.
-            what = {"ok": "ok", "raised": "published"}.get(b.outcome or "", "killed")
-            records.append((b.start, 1, what, b.end))
+            records.append((b.start, 1, "retry" if b.outcome == "raised" else "body", b.end))
     if not records:
-        return min(enqueued)
-    records.sort()
-    start, order, what, end = records[-1]
-    if what == "published":
-        # A deferral publishes during its delivery (from its start on); a retry after the body raised.
-        return end if order == 1 and end is not None else start
-    if what == "dropped":
-        earlier = [r[0] for r in records[:-1] if r[2] == "published"]
-        return max(earlier) if earlier else min(enqueued)
-    return None
-
-
-def _delivery_outcome(detail: str) -> str:
-    if detail.startswith(("IGNORED: deferred", "RETRY")):
-        return "published"
-    if detail.startswith("IGNORED: stale"):
-        return "dropped"
-    return "other"
+        return None
+    start, order, what, end = max(records, key=lambda r: (r[0], r[1]))
+    if what != "retry":
+        return None
+    return end if order == 1 and end is not None else start
 
 
 def lost_to_broker(
@@ -387,13 +368,13 @@ def lost_to_broker(
     """The unfinished runs a SIGKILL may have lost in transit (kombu's Redis transport), at most
     ``per_kill`` per kill.
 
-    A run qualifies when :func:`in_transit_since` says its newest message never reached a worker and a
-    worker was SIGKILLed after that message was published (the worker that popped it died before it
-    recorded it). Each kill accounts for at most ``per_kill`` runs (:data:`BROKER_LOSS_PER_KILL`):
-    runs are matched to kills, the latest-published first (they can use the fewest kills); a run no
-    kill is left for is reported in ``over_cap`` and stays lost. Such a run stays pending in the store
-    (a lost first message) or is evicted after ``orphan_timeout`` (a lost later copy), as
-    docs/concepts.md#leases says.
+    A run qualifies when :func:`in_transit_since` says its newest message is a holder's retry that
+    never reached a worker, and a worker was SIGKILLed after that retry was published (the worker
+    that popped it died before it recorded it). Each kill accounts for at most ``per_kill`` runs
+    (:data:`BROKER_LOSS_PER_KILL`): runs are matched to kills, the latest-published first (they can
+    use the fewest kills); a run no kill is left for is reported in ``over_cap`` and stays lost. Such
+    a run holds its slot until it is evicted, ``orphan_timeout`` after its lease lapsed
+    (docs/concepts.md#eviction).
     """
     kills = sorted(e.at for e in data.events if e.kind == "kill")
     since = {r: t for r in unfinished if (t := in_transit_since(data, r)) is not None}
@@ -490,8 +471,8 @@ def check(data: RunData, snapshots: Iterable[KeySnapshot], *, now: float | None 
     for snap in snapshots:
         left = [h.run_id for h in snap.holders] + [w.run_id for w in snap.waiters]
         if left and all(r in excused for r in left):
-            # Only runs the broker lost are left: passed over in the line, or a holder whose retry
-            # was lost, evicted at the key's next operation (docs/concepts.md#leases).
+            # Only holders whose retry the broker lost are left: evicted at the key's next
+            # operation after their lease and orphan_timeout lapsed (docs/concepts.md#eviction).
             continue
         if not snap.waiters and left and all(r in gone for r in left) and _lapsed(snap, now):
             # Only holders purged while they held are left, their leases lapsed: nothing waits

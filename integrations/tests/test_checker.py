@@ -267,103 +267,114 @@ def test_singleton_body_without_token_fails() -> None:
     assert check(d, [], now=T0 + 60).without_slot
 
 
+def retried(run_id: str, start: float, token: int = 1, *, key: str = "K") -> Body:
+    """A holder's body that raised: its retry was published as it ended (0.1 s later)."""
+    return body(run_id, start, start + 0.1, token, key=key, outcome="raised")
+
+
 def test_broker_loss_is_excused_only_where_declared() -> None:
-    waiter = WaiterView("b", 1, T0, RunState.PENDING, True)
-    snap = KeySnapshot("mutex", "K", 1, 1, (), (waiter,))
+    """A holder's retry in transit at a kill: lost for good (the store never issues a holder again),
+    excused only on a broker that loses a popped message."""
+    holder = HolderView("b", 2, T0 + 0.7, T0 + 0.8, T0 + 4, False)
+    snap = KeySnapshot("mutex", "K", 1, 2, (holder,), ())
     enqueues = [enq("a", 1, at=T0 + 0.5), enq("b", 2, at=T0 + 0.6)]
-    strict = check(data(enqueues, [body("a", 1, 2, 1)], [kill(1)]), [snap], now=T0 + 60)
+    bodies = [body("a", 0.55, 0.65, 1), retried("b", 0.7, 2)]
+    strict = check(data(enqueues, bodies, [kill(1)]), [snap], now=T0 + 60)
     assert strict.lost == ["b"] and strict.stuck_keys
-    lossy = check(
-        data(enqueues, [body("a", 1, 2, 1)], [kill(1)], broker_loss_per_kill=1), [snap], now=T0 + 60
-    )
+    lossy = check(data(enqueues, bodies, [kill(1)], broker_loss_per_kill=1), [snap], now=T0 + 60)
     assert lossy.ok and lossy.broker_lost == ["b"] and lossy.broker_loss_cap == 1
     # Runs logged before the cap existed said "broker_loses_on_kill": one per kill.
-    legacy = check(
-        data(enqueues, [body("a", 1, 2, 1)], [kill(1)], broker_loses_on_kill=True), [snap], now=T0 + 60
-    )
+    legacy = check(data(enqueues, bodies, [kill(1)], broker_loses_on_kill=True), [snap], now=T0 + 60)
     assert legacy.ok and legacy.broker_lost == ["b"]
 
 
+def test_a_lost_waiter_message_is_never_a_broker_loss() -> None:
+    """The store issues a waiter again from its payload: a first message, a deferred copy or a wake
+    lost at a kill is not excused, whatever the kills."""
+    enqueues = [enq("a", 1, at=T0 + 0.5)]
+    kills = [kill(1), kill(2, "w1"), kill(3, "w2")]
+    never = check(data(enqueues, [], kills, broker_loss_per_kill=1), [], now=T0 + 60)
+    assert never.lost == ["a"] and not never.broker_lost
+    deferred = [received("a", 0.6), delivery("a", 0.7, "IGNORED: deferred 0.30s (generation 1)")]
+    gated = check(data(enqueues, [], kills, deferred, broker_loss_per_kill=1), [], now=T0 + 60)
+    assert gated.lost == ["a"] and not gated.broker_lost
+    dropped = [*deferred, received("a", 0.75), delivery("a", 1.1, "IGNORED: stale copy dropped")]
+    woken = check(data(enqueues, [], kills, dropped, broker_loss_per_kill=1), [], now=T0 + 60)
+    assert woken.lost == ["a"] and not woken.broker_lost
+
+
 def test_broker_loss_is_capped_per_kill() -> None:
-    """Two messages in transit and one kill: one is excused, the other is lost and fails the check."""
-    enqueues = [enq("a", 1, at=T0 + 0.5), enq("b", 2, at=T0 + 0.6)]
-    one = check(data(enqueues, [], [kill(1)], broker_loss_per_kill=1), [], now=T0 + 60)
+    """Two retries in transit and one kill: one is excused, the other is lost and fails the check."""
+    enqueues = [enq("a", 1, at=T0 + 0.1), enq("b", 2, at=T0 + 0.2, key="L")]
+    bodies = [retried("a", 0.4), retried("b", 0.5, 2, key="L")]
+    one = check(data(enqueues, bodies, [kill(1)], broker_loss_per_kill=1), [], now=T0 + 60)
     assert not one.ok
     assert len(one.broker_lost) == 1 and len(one.lost) == 1 and one.broker_loss_over_cap == one.lost
     assert one.broker_loss_cap == 1
-    two = check(data(enqueues, [], [kill(1), kill(3, "w1")], broker_loss_per_kill=1), [], now=T0 + 60)
+    two = check(data(enqueues, bodies, [kill(1), kill(3, "w1")], broker_loss_per_kill=1), [], now=T0 + 60)
     assert two.ok and two.broker_lost == ["a", "b"] and two.broker_loss_cap == 2
-    # A kill before both publishes accounts for neither: one kill left for two runs.
-    early = check(data(enqueues, [], [kill(0.4), kill(3, "w1")], broker_loss_per_kill=1), [], now=T0 + 60)
-    assert early.broker_lost == ["b"] and early.lost == ["a"]
+    # A kill before both retries were published accounts for neither: one kill left for two runs.
+    early = check(
+        data(enqueues, bodies, [kill(0.45), kill(3, "w1")], broker_loss_per_kill=1), [], now=T0 + 60
+    )
+    assert len(early.broker_lost) == 1 and len(early.lost) == 1
 
 
 def test_broker_loss_matches_late_publishes_first() -> None:
-    """a can use either kill, b only the later one: both are excused whatever the order."""
-    enqueues = [enq("a", 1, at=T0 + 0.5), enq("b", 2, at=T0 + 2.0)]
-    loss = lost_to_broker(data(enqueues, [], [kill(1), kill(3, "w1")]), ["a", "b"], per_kill=1)
+    """a's retry can use either kill, b's only the later one: both are excused whatever the order."""
+    enqueues = [enq("a", 1, at=T0 + 0.1), enq("b", 2, at=T0 + 0.2, key="L")]
+    bodies = [retried("a", 0.4), retried("b", 1.9, 2, key="L")]
+    loss = lost_to_broker(data(enqueues, bodies, [kill(1), kill(3, "w1")]), ["a", "b"], per_kill=1)
     assert loss.excused == {"a": T0 + 1, "b": T0 + 3} and not loss.over_cap
 
 
 def test_broker_loss_needs_a_kill_after_the_publish() -> None:
-    enqueues = [enq("a", 1, at=T0 + 5)]
-    result = check(data(enqueues, [], [kill(1)], broker_loss_per_kill=1), [], now=T0 + 60)
+    enqueues = [enq("a", 1, at=T0 + 0.1)]
+    result = check(data(enqueues, [retried("a", 5)], [kill(1)], broker_loss_per_kill=1), [], now=T0 + 60)
     assert result.lost == ["a"] and not result.broker_lost
 
 
-def test_a_message_a_worker_received_is_not_a_broker_loss() -> None:
+def test_a_retry_a_worker_received_is_not_a_broker_loss() -> None:
     """Received (recorded as unacked) or run by a body the kill stopped: it comes back, never excused."""
-    enqueues = [enq("a", 1, at=T0 + 0.5)]
-    got = check(data(enqueues, [], [kill(2)], [received("a", 0.6)], broker_loss_per_kill=1), [], now=T0 + 60)
+    enqueues = [enq("a", 1, at=T0 + 0.1)]
+    got = check(
+        data(enqueues, [retried("a", 0.4)], [kill(2)], [received("a", 0.6)], broker_loss_per_kill=1),
+        [],
+        now=T0 + 60,
+    )
     assert got.lost == ["a"] and not got.broker_lost
     killed = check(
-        data(enqueues, [body("a", 0.7, None, 1)], [kill(2)], [received("a", 0.6)], broker_loss_per_kill=1),
+        data(
+            enqueues,
+            [retried("a", 0.4), body("a", 0.7, None, 2)],
+            [kill(2)],
+            [received("a", 0.6)],
+            broker_loss_per_kill=1,
+        ),
         [],
         now=T0 + 60,
     )
     assert killed.lost == ["a"] and not killed.broker_lost
 
 
-def test_a_deferred_copy_in_transit_is_a_broker_loss() -> None:
-    """The gate deferred the run (a new copy published) and no worker received that copy."""
+def test_a_retry_in_transit_is_a_broker_loss() -> None:
+    """A holder's body raised: its retry is published as the body ends, the RETRY delivery too."""
     enqueues = [enq("a", 1, at=T0 + 0.5)]
-    deferred = [received("a", 0.6), delivery("a", 0.7, "IGNORED: deferred 0.30s (generation 1)")]
-    lost = check(data(enqueues, [], [kill(1)], deferred, broker_loss_per_kill=1), [], now=T0 + 60)
-    assert lost.ok and lost.broker_lost == ["a"]
-    # The kill came before the deferral published its copy: not this kill's loss.
-    before = check(data(enqueues, [], [kill(0.65)], deferred, broker_loss_per_kill=1), [], now=T0 + 60)
-    assert before.lost == ["a"]
-    # The new copy reached a worker: it is in the worker's unacked set, redelivered if it dies.
-    seen = [*deferred, received("a", 1.05)]
-    assert check(data(enqueues, [], [kill(1)], seen, broker_loss_per_kill=1), [], now=T0 + 60).lost == ["a"]
-    # A retried body publishes its retry as it ends.
-    raised = [body("a", 0.7, 0.8, 1, outcome="raised")]
+    raised = [retried("a", 0.7)]
     retry = check(data(enqueues, raised, [kill(0.9)], broker_loss_per_kill=1), [], now=T0 + 60)
     assert retry.ok and retry.broker_lost == ["a"]
+    # The kill came before the retry was published: not this kill's loss.
     assert check(data(enqueues, raised, [kill(0.75)], broker_loss_per_kill=1), [], now=T0 + 60).lost
-
-
-def test_a_dropped_stale_copy_points_at_a_newer_copy_in_transit() -> None:
-    """Dropped as stale: a newer copy (a wake) was published after the run's last deferral; lost if
-    no worker received it, but only by a kill after that deferral."""
-    enqueues = [enq("a", 1, at=T0 + 0.5)]
-    records = [
-        received("a", 0.6),
-        delivery("a", 0.7, "IGNORED: deferred 0.30s (generation 1)"),
-        received("a", 0.75),
-        delivery("a", 1.1, "IGNORED: stale copy dropped"),
-    ]
-    lost = check(data(enqueues, [], [kill(0.9)], records, broker_loss_per_kill=1), [], now=T0 + 60)
-    assert lost.ok and lost.broker_lost == ["a"]
-    assert check(data(enqueues, [], [kill(0.65)], records, broker_loss_per_kill=1), [], now=T0 + 60).lost
+    marked = [received("a", 0.6), delivery("a", 0.65, "RETRY: Retry in 0.1s", end=0.85)]
+    both = check(data(enqueues, raised, [kill(0.9)], marked, broker_loss_per_kill=1), [], now=T0 + 60)
+    assert both.ok and both.broker_lost == ["a"]
 
 
 def test_the_table_shows_the_broker_loss_cap() -> None:
-    enqueues = [enq("a", 1, at=T0 + 0.5), enq("b", 2, at=T0 + 0.6)]
-    result = check(data(enqueues, [], [kill(1)], broker_loss_per_kill=1), [], now=T0 + 60)
-    console = Console(width=110, record=True, file=io.StringIO())
-    result.print(console)
-    text = console.export_text()
+    enqueues = [enq("a", 1, at=T0 + 0.1), enq("b", 2, at=T0 + 0.2, key="L")]
+    bodies = [retried("a", 0.4), retried("b", 0.5, 2, key="L")]
+    result = check(data(enqueues, bodies, [kill(1)], broker_loss_per_kill=1), [], now=T0 + 60)
+    text = render(result)
     assert "lost by the broker at a SIGKILL" in text and "1 (≤ 1)" in text
     assert "in transit at a kill, over the cap" in text and "FAIL" in text
 
