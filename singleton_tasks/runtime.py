@@ -586,8 +586,8 @@ class _Heartbeater:
 
     The interval follows the holders: at most a third of the shortest lease among them (task
     overrides included), so each holder is heartbeated at least three times per its own lease.
-    The same thread retries settlements that failed on a store error and sweeps the store's
-    expired state now and then.
+    The same thread retries settlements that failed on a store error, sweeps the store's
+    expired state now and then, and has the store check its server again each interval.
     """
 
     def __init__(self, gatekeeper: Gatekeeper) -> None:
@@ -708,6 +708,17 @@ class _Heartbeater:
         if swept and time.monotonic() >= until:  # stopped by the deadline: more may be left
             self._next_sweep, self._sweeping = 0.0, True
 
+    def check_health(self) -> None:
+        """The store's re-check of its server (:meth:`Store.check_health`), once per interval."""
+        try:
+            self._gatekeeper.store.check_health()
+        except SingletonConfigError as error:
+            # Each interval while it lasts, without a traceback: the message names the fix.
+            logger.error("the store admits no new runs: %s", error)
+        except StoreUnavailableError as error:
+            # An outage is the beat's and the operations' to report: not twice per interval.
+            logger.debug("the store's health check failed: %s", error)
+
     def _loop(self) -> None:
         beaten_at = time.monotonic()
         while True:
@@ -720,7 +731,13 @@ class _Heartbeater:
                         return
                     beaten_at = 0.0  # the interval passed, or a shorter lease came: beat now
             if time.monotonic() >= beaten_at + self.interval:
-                steps: tuple[Callable[[], object], ...] = (self.beat, self.run_retries, self.tick, self.sweep)
+                steps: tuple[Callable[[], object], ...] = (
+                    self.beat,
+                    self.run_retries,
+                    self.tick,
+                    self.sweep,
+                    self.check_health,
+                )
                 beaten_at = time.monotonic()
             else:
                 steps = (self.sweep,)  # the next slice of a sweep, between two beats
