@@ -511,9 +511,10 @@ def test_task_lease_shorter_than_middleware_heartbeat(
 
 
 # -- 9. purged copies ------------------------------------------------------------------------------
-#: A store per scenario where the store does not matter to the point made (the rules are the same
-#: on every store, the contract suite runs them): the CI budget pays for one cell per environment.
-PURGE_STORE = "postgres"
+#: One store per scenario (the rules are the same on every store, the contract suite runs them;
+#: the CI budget pays for one cell per environment): Redis here, where the rules are Lua and the
+#: due keys a per-namespace index the heartbeat threads read; PostgreSQL for scenarios 10 and 11.
+PURGE_STORE = "redis"
 #: Short timings, so "within orphan_timeout + re-check + one heartbeat interval of its turn" is
 #: seconds: re-check = max_retry_delay + retry_jitter.
 SHORT = {
