@@ -62,6 +62,7 @@ def build(settings: Settings) -> Celery:
         max_retry_delay=settings.max_retry_delay,
         lease=settings.lease,
         orphan_timeout=settings.orphan_timeout,
+        heartbeat_interval=settings.heartbeat_interval or None,
     )
     log = RunLog(settings.log_url)
     retry: dict[str, Any] = {

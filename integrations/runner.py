@@ -35,7 +35,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from singleton_tasks import SingletonQueueFullError, StoreUnavailableError, store_from_url
+from singleton_tasks import (
+    SingletonPayloadError,
+    SingletonQueueFullError,
+    StoreUnavailableError,
+    store_from_url,
+)
 from singleton_tasks.outcomes import KeySnapshot
 
 from .checker import BROKER_LOSS_PER_KILL, lost_to_broker, store_snapshots
@@ -477,6 +482,8 @@ class Producer:
             error = "SingletonQueueFullError"
         except StoreUnavailableError:
             error = "StoreUnavailableError"
+        except SingletonPayloadError as raised:
+            error = type(raised).__name__  # Dramatiq: PayloadError; Celery: SingletonPayloadError
         limit = SINGLETON_TASKS[task][0] if task in SINGLETON_TASKS else None
         scope = task if task in SINGLETON_TASKS else PLAIN_TASK
         record = Enqueue(
