@@ -441,17 +441,22 @@ def _describe(run: HolderView | WaiterView) -> str:
     return f"waiter (position {run.position}, {run.state.value})"
 
 
+
+def _confirm_and_broker_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``--yes`` and ``--broker`` of the commands that settle runs (``release``, ``drop-waiters``)."""
+    command = click.option(
+        "--broker",
+        "broker_url",
+        default=None,
+        metavar="URL",
+        help="Dramatiq broker (redis://… or amqp://…) to publish the woken waiters' messages on at once.",
+    )(command)
+    return click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")(command)
+
 @cli.command()
 @store_options
 @click.argument("run_id")
-@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
-@click.option(
-    "--broker",
-    "broker_url",
-    default=None,
-    metavar="URL",
-    help="Dramatiq broker (redis://… or amqp://…) to publish the woken waiters' messages on at once.",
-)
+@_confirm_and_broker_options
 def release(store_url: str | None, namespace: str, run_id: str, yes: bool, broker_url: str | None) -> None:
     """Operator override: free RUN_ID's slot (or place in line) and name who is next.
 
@@ -592,14 +597,7 @@ def _one_key(store: Store, scope: str | None, key: str) -> KeySnapshot | None:
 @click.option(
     "--scope", default=None, help="The key's scope (default: a task's name); needed if several use the key."
 )
-@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
-@click.option(
-    "--broker",
-    "broker_url",
-    default=None,
-    metavar="URL",
-    help="Dramatiq broker (redis://… or amqp://…) to publish the woken waiters' messages on at once.",
-)
+@_confirm_and_broker_options
 def drop_waiters(
     store_url: str | None, namespace: str, key: str, scope: str | None, yes: bool, broker_url: str | None
 ) -> None:
