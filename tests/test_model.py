@@ -1,13 +1,19 @@
 """Model-based test: random operation sequences on a store and on a tiny reference model.
 
-The reference model below is written from docs/concepts.md as gate.py defines it, with naive
-lists (no sequence numbers, no pages, no transactions), and shares no code with gate.py.
-Every answer of the store — decisions, tokens, generations, positions, wakes, evictions,
-heartbeat losses — and its snapshot after every step must be identical to the model's.
+The reference model below is written from gate.py's glossary and docs/concepts.md with naive
+lists (no sequence numbers, no pages, no transactions, no due hints), and shares no code with
+gate.py. Every answer of the store (decisions, tokens, generations, positions, wakes and
+re-issues, evictions, abandoned waiters, heartbeat losses, what a due key did) and its snapshot
+after every step must be identical to the model's.
+
+The machine also checks the rules' promises on what it observed, apart from the model: at most
+``limit`` holders per key, tokens increasing per key, every unsettled run counted, the line in
+registration order, nobody admitted past an earlier waiter, no run admitted twice in one life.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import uuid
 from collections.abc import Callable, Sequence
@@ -30,6 +36,7 @@ from singleton_tasks.gate import Timings
 from singleton_tasks.outcomes import (
     ClaimOutcome,
     Decision,
+    DueOutcome,
     HolderRef,
     HolderView,
     KeySnapshot,
@@ -57,7 +64,9 @@ class KeyConfig:
     recheck: float
 
 
-# Small numbers so that every rule (caps, leases, evictions, passing over, removal) is reached often.
+# Small numbers so that every rule (caps, leases, evictions, re-issues, abandonment, an
+# unconfirmed registration's expiry) is reached often: k1 re-issues a lost owner after 32 s and
+# abandons it at its second re-issue (64 s unseen > RETENTION), k3 after 17 s and at its third.
 KEYS: dict[str, KeyConfig] = {
     "k1": KeyConfig(limit=1, lease=10.0, orphan=30.0, recheck=2.0),
     "k'2 {x}\n": KeyConfig(limit=2, lease=20.0, orphan=None, recheck=0.0),
@@ -65,6 +74,8 @@ KEYS: dict[str, KeyConfig] = {
 }
 RUNS_PER_KEY = 4
 BOGUS = 7777
+#: Delays a run is sent with: none, shorter than its bound, longer than RETENTION.
+DELAYS = [0.0, 0.0, 4.0, 45.0]
 
 
 # ---------------------------------------------------------------------------- the model
@@ -98,17 +109,17 @@ class MRun:
     lease_expires_at: float = 0.0
     executing: bool = False
     seen_at: float = 0.0
-    passed_over_at: float | None = None
+    reissue_at: float | None = None
 
-    def seen(self, now: float) -> None:
-        """A live copy (or the registration) reached the store."""
+    def expect_a_copy(self, since: float) -> None:
+        """A copy is on its way from ``since``: owning a slot and unseen past the bound after
+        that, the run's copies are lost (never, without an orphan timeout)."""
+        self.reissue_at = None if self.orphan is None else since + self.orphan + self.recheck
+
+    def seen(self, now: float, delay: float = 0.0) -> None:
+        """A live copy (or the registration of one sent with ``delay``) reached the store."""
         self.seen_at = now
-        if not self.confirmed:
-            self.passed_over_at = now + GRACE
-        elif self.orphan is None:
-            self.passed_over_at = None
-        else:
-            self.passed_over_at = now + self.orphan + self.recheck
+        self.expect_a_copy(now + delay)
 
 
 @dataclass
@@ -125,8 +136,13 @@ class MKey:
     def holders(self) -> list[MRun]:
         return [r for r in self.runs if r.state is RunState.HOLDING]
 
-    def waiters(self) -> list[MRun]:
+    def line(self) -> list[MRun]:
+        """The waiters, in registration order."""
         return [r for r in self.runs if r.state is not RunState.HOLDING]
+
+    def owners(self) -> list[MRun]:
+        """The first waiters of the line, one per free slot."""
+        return self.line()[: max(0, self.limit - len(self.holders()))]
 
     def remove(self, run_id: str) -> None:
         self.runs = [r for r in self.runs if r.run_id != run_id]
@@ -156,52 +172,102 @@ class Model:
     # -- helpers of the rules
 
     @staticmethod
-    def passed_over(run: MRun, now: float) -> bool:
-        return (
-            run.state is not RunState.HOLDING and run.passed_over_at is not None and run.passed_over_at < now
-        )
+    def never_published(k: MKey, now: float) -> list[MRun]:
+        """Unconfirmed registrations older than the registration grace."""
+        return [r for r in k.line() if not r.confirmed and r.created_at < now - GRACE]
 
-    def owners(self, k: MKey, now: float) -> list[MRun]:
-        free = k.limit - len(k.holders())
-        if free <= 0:
-            return []
-        return [r for r in k.waiters() if not self.passed_over(r, now)][:free]
+    @staticmethod
+    def orphaned(k: MKey, now: float) -> list[MRun]:
+        return [h for h in k.holders() if h.orphan is not None and h.lease_expires_at + h.orphan < now]
 
-    def housekeep(self, k: MKey, now: float, keep: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        evicted = [
-            h.run_id
-            for h in k.holders()
-            if h.orphan is not None and h.lease_expires_at + h.orphan < now and h.run_id != keep
-        ]
-        gone = [
-            w
-            for w in k.waiters()
-            if w.passed_over_at is not None and w.passed_over_at < now - RETENTION and w.run_id != keep
-        ]
-        removed = [w.run_id for w in sorted(gone, key=lambda w: (w.passed_over_at, w.run_id))]
-        for run_id in evicted + removed:
+    @staticmethod
+    def owners(k: MKey, now: float) -> list[MRun]:
+        """The waiters that own the free slots: the first ones in line, whatever their age."""
+        return k.owners()
+
+    @staticmethod
+    def reissue_due(run: MRun, now: float) -> bool:
+        return run.reissue_at is not None and run.reissue_at <= now
+
+    @staticmethod
+    def abandoned(run: MRun, now: float) -> bool:
+        """No copy of the run reached the store for RETENTION: its task is gone."""
+        return now - run.seen_at > RETENTION
+
+    def housekeep(self, k: MKey, now: float, keep: str | None) -> list[str]:
+        """Evict orphaned holders and drop registrations never published; returns the evicted."""
+        evicted = sorted(h.run_id for h in self.orphaned(k, now) if h.run_id != keep)
+        dropped = [r.run_id for r in self.never_published(k, now) if r.run_id != keep]
+        for run_id in evicted + dropped:
             k.remove(run_id)
-        return tuple(sorted(evicted)), tuple(removed)
+        return evicted
 
-    def wakes(self, key: str, k: MKey, now: float, skip: str | None) -> list[Wake]:
-        out = []
+    def issue(self, key: str, run: MRun, now: float) -> Wake:
+        run.generation = counter_after(run.generation, now)
+        run.live = [*run.live, run.generation]  # every copy in flight stays live too
+        run.state = RunState.WOKEN
+        run.expect_a_copy(now)
+        return Wake(self.scope, key, run.run_id, run.generation, run.payload)
+
+    def hand_on(self, key: str, k: MKey, now: float, skip: str | None, removed: list[str]) -> list[Wake]:
+        """Issue the confirmed slot owners that need a copy: a gated one (its turn came), or one
+        with a payload whose copies are lost; one unseen for RETENTION is abandoned instead and
+        the next moves up."""
+        out: list[Wake] = []
+        while True:
+            for run in self.owners(k, now):
+                if run.run_id == skip or not run.confirmed:
+                    continue
+                if run.state is RunState.GATED:
+                    # Without a payload its wake is not published: its deferred copy re-checks it.
+                    event(f"a gated owner is woken{'' if run.payload else ' (no payload)'}")
+                    out.append(self.issue(key, run, now))
+                elif run.payload is not None and self.reissue_due(run, now):
+                    if self.abandoned(run, now):
+                        event("an owner is abandoned")
+                        k.remove(run.run_id)
+                        removed.append(run.run_id)
+                        break  # the owners change: look again
+                    event(f"a {run.state.value} owner is issued again")
+                    out.append(self.issue(key, run, now))
+            else:
+                return out
+
+    def has_work(self, key: str, now: float) -> bool:
+        """Whether the key has work due strictly before ``now``: an orphaned holder with waiters
+        behind it, an unconfirmed owner past its grace, or an owner whose copies are lost."""
+        k = self.keys.get(key)
+        if k is None or not k.runs:
+            return False
+        if k.line() and self.orphaned(k, now):
+            return True
         for run in self.owners(k, now):
-            if run.state is RunState.GATED and run.run_id != skip:
-                run.generation = counter_after(run.generation, now)
-                run.live = [*run.live, run.generation]  # every copy in flight stays live too
-                run.state = RunState.WOKEN
-                out.append(Wake(self.scope, key, run.run_id, run.generation, run.payload))
-        return out
+            if not run.confirmed and run.created_at + GRACE < now:
+                return True
+            if (
+                run.confirmed
+                and run.payload is not None
+                and run.reissue_at is not None
+                and run.reissue_at < now
+            ):
+                return True
+        return False
 
     # -- the operations
 
-    def register(self, spec: RunSpec, now: float, confirmed: bool) -> RegisterOutcome:
-        k = self.key(spec.key, now)
+    def register(
+        self, spec: RunSpec, payload: bytes | None, delay: float, now: float, confirmed: bool
+    ) -> RegisterOutcome:
+        k = self.key(spec.key)
         if k.find(spec.run_id) is not None:
             return RegisterOutcome(Registered.EXISTS, len(k.runs))
-        in_flight = len([r for r in k.runs if not self.passed_over(r, now)])
+        gone = self.never_published(k, now)
+        in_flight = len(k.runs) - len(gone)
         if spec.max_queue_depth is not None and in_flight >= spec.limit + spec.max_queue_depth:
             return RegisterOutcome(Registered.FULL, in_flight)
+        for run in gone:
+            k.remove(run.run_id)
+        k = self.key(spec.key, now)
         k.limit = spec.limit
         k.settled.pop(spec.run_id, None)
         run = MRun(
@@ -214,19 +280,18 @@ class Model:
             spec.lease,
             spec.orphan_timeout,
             spec.recheck,
+            payload=payload,
         )
-        run.seen(now)
+        run.seen(now, delay)
         k.runs.append(run)
         self.finish(k, now)
         return RegisterOutcome(Registered.REGISTERED, in_flight + 1)
 
-    def confirm(self, key: str, run_id: str, now: float) -> bool:
+    def confirm(self, key: str, run_id: str) -> bool:
         run = self.key(key).find(run_id)
         if run is None:
             return False
-        if not run.confirmed:
-            run.confirmed = True
-            run.seen(now)
+        run.confirmed = True  # its message is on its way: it is not seen by that
         return True
 
     def unregister(self, key: str, run_id: str, now: float) -> bool:
@@ -239,23 +304,26 @@ class Model:
         self.finish(k, now)
         return True
 
-    def park(self, key: str, run_id: str, payload: bytes, now: float) -> tuple[Wake, ...]:
-        k = self.key(key, now)
+    def park(self, key: str, run_id: str, now: float) -> tuple[Wake, ...]:
+        k = self.key(key)
         run = k.find(run_id)
-        if run is None or run.state is not RunState.PENDING:
+        if run is None or run.state is not RunState.PENDING or run.payload is None:
             return ()
-        run.confirmed, run.payload, run.state = True, payload, RunState.GATED
+        run.confirmed, run.state = True, RunState.GATED
         run.seen(now)
-        return tuple(self.wakes(key, k, now, None))
+        k = self.key(key, now)
+        wakes = self.hand_on(key, k, now, None, [])  # park names no abandoned waiters
+        self.finish(k, now)
+        return tuple(wakes)
 
     def claim(self, spec: RunSpec, generation: int, payload: bytes | None, now: float) -> ClaimOutcome:
         k = self.key(spec.key, now)
         k.limit = spec.limit
-        evicted, removed = self.housekeep(k, now, spec.run_id)
-        try:
-            return self._claim(k, spec, generation, payload, now, evicted, removed)
-        finally:
-            self.finish(k, now)
+        evicted = self.housekeep(k, now, spec.run_id)
+        removed: list[str] = []
+        decision, values = self._claim(k, spec, generation, payload, now, removed)
+        self.finish(k, now)
+        return ClaimOutcome(decision, evicted=tuple(evicted), removed=tuple(removed), **values)
 
     def _claim(
         self,
@@ -264,12 +332,13 @@ class Model:
         generation: int,
         payload: bytes | None,
         now: float,
-        evicted: tuple[str, ...],
-        removed: tuple[str, ...],
-    ) -> ClaimOutcome:
-        def stale() -> ClaimOutcome:
-            wakes = self.wakes(spec.key, k, now, None)
-            return ClaimOutcome(Decision.STALE, evicted=evicted, wakes=tuple(wakes), removed=removed)
+        removed: list[str],
+    ) -> tuple[Decision, dict[str, Any]]:
+        def hand_on(skip: str | None = None) -> tuple[Wake, ...]:
+            return tuple(self.hand_on(spec.key, k, now, skip, removed))
+
+        def stale() -> tuple[Decision, dict[str, Any]]:
+            return Decision.STALE, {"wakes": hand_on()}
 
         run = k.find(spec.run_id)
         if run is None:
@@ -280,7 +349,16 @@ class Model:
                 return stale()
             k.settled.pop(spec.run_id, None)
             run = MRun(
-                spec.run_id, RunState.PENDING, now, True, generation, [generation], spec.lease, None, 0.0
+                spec.run_id,
+                RunState.PENDING,
+                now,
+                True,
+                generation,
+                [generation],
+                spec.lease,
+                spec.orphan_timeout,
+                spec.recheck,
+                payload=payload,
             )
             k.runs.append(run)
         elif generation not in run.live:
@@ -294,35 +372,23 @@ class Model:
             if run.executing and run.lease_expires_at > now:
                 run.generation = counter_after(run.generation, now)
                 run.live = sorted({run.holder_gen, generation, run.generation})
-                wakes = self.wakes(spec.key, k, now, None)
-                return ClaimOutcome(
-                    Decision.BUSY,
-                    generation=run.generation,
-                    evicted=evicted,
-                    wakes=tuple(wakes),
-                    removed=removed,
-                )
-            return self.admit(spec, k, run, generation, now, evicted, removed, takeover=run.executing)
+                return Decision.BUSY, {"generation": run.generation, "wakes": hand_on()}
+            return self.admit(spec, k, run, generation, now, hand_on, takeover=run.executing)
+        # A delivered waiter: its message was published, and the delivered copy is the one to issue.
         run.confirmed = True
-        run.payload = payload
+        if payload is not None:
+            run.payload = payload
         if run.state is RunState.PENDING:
             run.state = RunState.GATED
         run.seen(now)
         if run in self.owners(k, now):
-            return self.admit(spec, k, run, generation, now, evicted, removed, takeover=False)
+            return self.admit(spec, k, run, generation, now, hand_on, takeover=False)
         run.generation = counter_after(run.generation, now)
         run.live = sorted({generation, run.generation})
         run.state = RunState.GATED
-        wakes = self.wakes(spec.key, k, now, run.run_id)
-        position = k.waiters().index(run) + 1
-        return ClaimOutcome(
-            Decision.GATED,
-            generation=run.generation,
-            position=position,
-            evicted=evicted,
-            wakes=tuple(wakes),
-            removed=removed,
-        )
+        wakes = hand_on(skip=run.run_id)
+        position = k.line().index(run) + 1
+        return Decision.GATED, {"generation": run.generation, "position": position, "wakes": wakes}
 
     def admit(
         self,
@@ -331,11 +397,10 @@ class Model:
         run: MRun,
         generation: int,
         now: float,
-        evicted: tuple[str, ...],
-        removed: tuple[str, ...],
+        hand_on: Callable[[], tuple[Wake, ...]],
         *,
         takeover: bool,
-    ) -> ClaimOutcome:
+    ) -> tuple[Decision, dict[str, Any]]:
         k.token = counter_after(k.token, now)
         run.state = RunState.HOLDING
         run.token = k.token
@@ -344,16 +409,9 @@ class Model:
         run.admitted_at = run.heartbeat_at = now
         run.lease_expires_at = now + spec.lease
         run.executing = True
-        run.payload = None
-        wakes = self.wakes(spec.key, k, now, run.run_id)
-        return ClaimOutcome(
-            Decision.ADMITTED,
-            token=run.token,
-            takeover=takeover,
-            evicted=evicted,
-            wakes=tuple(wakes),
-            removed=removed,
-        )
+        run.payload = None  # a holder is never issued again
+        run.reissue_at = None
+        return Decision.ADMITTED, {"token": run.token, "takeover": takeover, "wakes": hand_on()}
 
     def suspend(self, key: str, run_id: str, token: int, now: float, delay: float) -> bool:
         run = self.key(key).find(run_id)
@@ -385,29 +443,29 @@ class Model:
         waiting_only: bool = False,
     ) -> ReleaseOutcome:
         k = self.key(key, now)
-        try:
-            evicted, removed = self.housekeep(k, now, run_id)
-            run = k.find(run_id)
-            if (
-                run is None
-                or (token is not None and (run.state is not RunState.HOLDING or run.token != token))
-                or (waiting_only and run.state is RunState.HOLDING)
-            ):
-                lost = token is not None and (run is not None or k.marker(run_id, now) is None)
-                wakes = self.wakes(key, k, now, None)
-                return ReleaseOutcome(
-                    released=False, lost=lost, wakes=tuple(wakes), evicted=evicted, removed=removed
-                )
-            k.remove(run_id)
-            if run.state is RunState.HOLDING:
-                settled = run.holder_gen
-            else:
-                settled = generation if generation is not None else -1
-            k.settled[run_id] = (settled, now + RETENTION)
-            wakes = self.wakes(key, k, now, None)
-            return ReleaseOutcome(released=True, wakes=tuple(wakes), evicted=evicted, removed=removed)
-        finally:
+        evicted = tuple(self.housekeep(k, now, run_id))
+        removed: list[str] = []
+        run = k.find(run_id)
+        if (
+            run is None
+            or (token is not None and (run.state is not RunState.HOLDING or run.token != token))
+            or (waiting_only and run.state is RunState.HOLDING)
+        ):
+            lost = token is not None and (run is not None or k.marker(run_id, now) is None)
+            wakes = tuple(self.hand_on(key, k, now, None, removed))
             self.finish(k, now)
+            return ReleaseOutcome(
+                released=False, lost=lost, wakes=wakes, evicted=evicted, removed=tuple(removed)
+            )
+        k.remove(run_id)
+        if run.state is RunState.HOLDING:
+            settled = run.holder_gen
+        else:
+            settled = generation if generation is not None else -1
+        k.settled[run_id] = (settled, now + RETENTION)
+        wakes = tuple(self.hand_on(key, k, now, None, removed))
+        self.finish(k, now)
+        return ReleaseOutcome(released=True, wakes=wakes, evicted=evicted, removed=tuple(removed))
 
     def operator_release(self, run_id: str, now: float) -> ReleaseOutcome | None:
         for key in sorted(self.keys):
@@ -415,11 +473,23 @@ class Model:
                 return self.release(key, run_id, None, None, now)
         return None
 
-    def snapshot(self) -> list[KeySnapshot]:
+    def tick(self, key: str, now: float) -> DueOutcome:
+        """What a call on a due key does by itself: the work :meth:`has_work` names, and any
+        other eviction, expiry or wake the key has at ``now``."""
+        k = self.keys.get(key)
+        if k is None or (k.idle_until is not None and k.idle_until < now):
+            return DueOutcome(self.scope, key)
+        evicted = self.housekeep(k, now, None)
+        removed: list[str] = []
+        wakes = self.hand_on(key, k, now, None, removed)
+        self.finish(k, now)
+        return DueOutcome(self.scope, key, tuple(wakes), tuple(evicted), tuple(removed))
+
+    def snapshot(self, only: str | None = None) -> list[KeySnapshot]:
         snaps = []
         for key in sorted(self.keys):
             k = self.keys[key]
-            if not k.runs:
+            if not k.runs or only not in (None, key):
                 continue
             holders = sorted(k.holders(), key=lambda r: r.token)
             snaps.append(
@@ -436,9 +506,9 @@ class Model:
                     ),
                     waiters=tuple(
                         WaiterView(
-                            w.run_id, i + 1, w.created_at, w.state, w.confirmed, w.seen_at, w.passed_over_at
+                            w.run_id, i + 1, w.created_at, w.state, w.confirmed, w.seen_at, w.reissue_at
                         )
-                        for i, w in enumerate(k.waiters())
+                        for i, w in enumerate(k.line())
                     ),
                 )
             )
@@ -471,6 +541,16 @@ def normal_release(outcome: ReleaseOutcome) -> ReleaseOutcome:
     )
 
 
+def normal_due(outcome: DueOutcome) -> DueOutcome:
+    return DueOutcome(
+        outcome.scope,
+        outcome.key,
+        wakes=tuple(outcome.wakes),
+        evicted=tuple(sorted(outcome.evicted)),
+        removed=tuple(outcome.removed),
+    )
+
+
 key_names = st.sampled_from(sorted(KEYS))
 run_numbers = st.integers(min_value=1, max_value=RUNS_PER_KEY)
 
@@ -492,6 +572,13 @@ class GateMachine(RuleBasedStateMachine):
         self.generations: dict[tuple[str, str], set[int]] = {}
         self.latest: dict[tuple[str, str], int] = {}  # the copy a broker would deliver next
         self.tokens: dict[tuple[str, str], list[int]] = {}
+        # What the machine observed itself, apart from the model (the promises' checks):
+        self.last_token: dict[str, int] = {}  # per key
+        self.present: dict[tuple[str, str], bool] = {}  # runs in the last snapshot: True if holding
+        self.registered: dict[tuple[str, str], int] = {}  # a live run's place in registration order
+        self.registrations = 0
+        self.admitted: set[tuple[str, str]] = set()  # runs admitted from the line in this life
+        self.from_the_line: list[tuple[str, str]] = []  # admitted by the last step
 
     def run_id(self, key: str, number: int) -> str:
         return f"{self.tag}-{sorted(KEYS).index(key)}-{number}"
@@ -502,29 +589,51 @@ class GateMachine(RuleBasedStateMachine):
             self.scope, key, run_id, config.limit, depth, config.lease, config.orphan, config.recheck
         )
 
+    def a_new_life(self, key: str, run_id: str) -> None:
+        self.registrations += 1
+        self.registered[(key, run_id)] = self.registrations
+
     def learn(self, key: str, run_id: str, outcome: ClaimOutcome | ReleaseOutcome) -> None:
         # Events show in --hypothesis-show-statistics: proof the rules are reached.
         if isinstance(outcome, ClaimOutcome):
             event(f"claim {outcome.decision.value}" + (" takeover" if outcome.takeover else ""))
-        if outcome.wakes:
-            event(f"{type(outcome).__name__} wakes")
         if outcome.evicted:
             event(f"{type(outcome).__name__} evicts")
         if outcome.removed:
             event(f"{type(outcome).__name__} removes")
         if isinstance(outcome, ClaimOutcome):
-            if outcome.generation is not None:
-                self.generations.setdefault((key, run_id), set()).add(outcome.generation)
-                self.latest[(key, run_id)] = outcome.generation
-            if outcome.token is not None:
-                self.tokens.setdefault((key, run_id), []).append(outcome.token)
-        self.learn_wakes(outcome.wakes)
+            self.learn_claim(key, run_id, outcome)
+        self.learn_wakes(type(outcome).__name__, outcome.wakes)
 
-    def learn_wakes(self, wakes: Sequence[Wake]) -> None:
+    def learn_claim(self, key: str, run_id: str, outcome: ClaimOutcome) -> None:
+        run = (key, run_id)
+        holding = self.present.get(run)
+        if holding is None and outcome.decision is not Decision.STALE:
+            self.a_new_life(key, run_id)  # first sight: registered at its own claim
+        if outcome.generation is not None:
+            self.generations.setdefault(run, set()).add(outcome.generation)
+            self.latest[run] = outcome.generation
+        if outcome.token is not None:
+            self.tokens.setdefault(run, []).append(outcome.token)
+            previous = self.last_token.get(key, 0)
+            assert outcome.token > previous, f"{key!r}: token {outcome.token} after {previous}"
+            self.last_token[key] = outcome.token
+        if outcome.decision is Decision.ADMITTED:
+            if holding:  # a retry of the holder, or a takeover: the same life
+                assert run in self.admitted, f"{run_id} admitted as a holder it never became"
+            else:
+                assert run not in self.admitted, f"{run_id} admitted twice in one life"
+                self.admitted.add(run)
+                self.from_the_line.append(run)
+
+    def learn_wakes(self, what: str, wakes: Sequence[Wake]) -> None:
         """A wake is a copy the broker will deliver next."""
+        if wakes:
+            event(f"{what} issues")
         for wake in wakes:
-            self.generations.setdefault((wake.key, wake.run_id), set()).add(wake.generation)
-            self.latest[(wake.key, wake.run_id)] = wake.generation
+            run = (wake.key, wake.run_id)
+            self.generations.setdefault(run, set()).add(wake.generation)
+            self.latest[run] = wake.generation
 
     def at(self) -> Store:
         """The store, deciding at the machine's time."""
@@ -537,13 +646,26 @@ class GateMachine(RuleBasedStateMachine):
 
     # -- rules
 
-    @rule(key=key_names, number=run_numbers, depth=st.sampled_from([None, 0, 1, 2]), confirmed=st.booleans())
-    def register(self, key: str, number: int, depth: int | None, confirmed: bool) -> None:
+    @rule(
+        key=key_names,
+        number=run_numbers,
+        depth=st.sampled_from([None, 0, 1, 2]),
+        confirmed=st.booleans(),
+        with_payload=st.booleans(),
+        delay=st.sampled_from(DELAYS),
+    )
+    def register(
+        self, key: str, number: int, depth: int | None, confirmed: bool, with_payload: bool, delay: float
+    ) -> None:
         spec = self.spec(key, self.run_id(key, number), depth)
-        got = self.at().register(spec, confirmed=confirmed)
-        expected = self.model.register(spec, self.now, confirmed)
-        self.agree(f"register {spec.run_id} depth={depth}", got, expected)
+        self.step += 1
+        payload = f"{spec.run_id}@{self.step} registered\0".encode() if with_payload else None
+        got = self.at().register(spec, payload=payload, delay=delay, confirmed=confirmed)
+        expected = self.model.register(spec, payload, delay, self.now, confirmed)
+        self.agree(f"register {spec.run_id} depth={depth} delay={delay}", got, expected)
         event(f"register {got.status.value}")
+        if got.status is Registered.REGISTERED:
+            self.a_new_life(key, spec.run_id)
 
     def a_registered_run(self, data: st.DataObject) -> tuple[str, str]:
         runs = [(key, r.run_id) for key, k in sorted(self.model.keys.items()) for r in k.runs]
@@ -566,7 +688,8 @@ class GateMachine(RuleBasedStateMachine):
     @rule(key=key_names, number=run_numbers, data=st.data(), with_payload=st.booleans())
     def claim(self, key: str, number: int, data: st.DataObject, with_payload: bool) -> None:
         run_id = self.run_id(key, number)
-        # Mostly the copy the broker would deliver; sometimes an older one or one never issued.
+        # Mostly the copy the broker would deliver; sometimes an older one (one issued before a
+        # re-issue: copies issued twice) or one never issued.
         latest = self.latest.get((key, run_id), 0)
         # Copies issued in a write the store lost (a failover): newer than any it knows, issued
         # just after the newest known one or now.
@@ -658,18 +781,26 @@ class GateMachine(RuleBasedStateMachine):
     def confirm(self, key: str, number: int) -> None:
         run_id = self.run_id(key, number)
         got = self.at().confirm(self.scope, key, run_id)
-        self.agree(f"confirm {run_id}", got, self.model.confirm(key, run_id, self.now))
+        self.agree(f"confirm {run_id}", got, self.model.confirm(key, run_id))
 
-    @rule(key=key_names, number=run_numbers)
-    def park(self, key: str, number: int) -> None:
-        """A producer published the run held back (delayed) and parks it with its payload."""
-        run_id = self.run_id(key, number)
-        self.step += 1
-        payload = f"{run_id}@{self.step} parked\0".encode()
-        got = self.at().park(self.scope, key, run_id, payload)
-        self.agree(f"park {run_id}", got, self.model.park(key, run_id, payload, self.now))
-        event(f"park wakes={len(got)}")
-        self.learn_wakes(got)
+    @rule(key=key_names, number=run_numbers, data=st.data())
+    def park(self, key: str, number: int, data: st.DataObject) -> None:
+        """A producer published the run held back (delayed) and parks it: it waits gated."""
+        pending = [
+            (name, r.run_id)
+            for name, k in sorted(self.model.keys.items())
+            for r in k.line()
+            if r.state is RunState.PENDING
+        ]
+        # Mostly a pending run (the producer's own); sometimes any run, parked late or twice.
+        key, run_id = data.draw(st.sampled_from([*pending * 3, (key, self.run_id(key, number))]), label="run")
+        run = self.model.key(key).find(run_id)
+        parked = run is not None and run.state is RunState.PENDING and run.payload is not None
+        got = self.at().park(self.scope, key, run_id)
+        expected = self.model.park(key, run_id, self.now)
+        self.agree(f"park {run_id}", got, expected)
+        event(f"park parked={parked} wakes={len(got)}")
+        self.learn_wakes("park", got)
 
     @rule(key=key_names, number=run_numbers)
     def unregister(self, key: str, number: int) -> None:
@@ -687,17 +818,59 @@ class GateMachine(RuleBasedStateMachine):
         if got is not None:
             self.learn(key, run_id, got)
 
+    @rule()
+    def tick_due(self) -> None:
+        """A heartbeat thread's call: what a key it ticks does, the model's tick does.
+
+        The store picks the keys by their ``due_at``, a hint: it may tick a key with nothing due
+        and names only the keys where it did something (a wake, an eviction, an abandoned
+        waiter). A key it does not name was left alone or ticked silently (a registration never
+        published dropped): its snapshot tells which.
+        """
+        named: dict[str, DueOutcome] = {}
+        for outcome in self.at().tick_due():
+            if outcome.scope != self.scope:
+                continue  # a key an earlier example left due (nothing of it is left)
+            assert outcome.key not in named, f"tick_due at {self.now}: {outcome.key!r} named twice"
+            named[outcome.key] = normal_due(outcome)
+        ticked = set()
+        for key in sorted(KEYS):
+            if key in named:
+                got = named[key]
+                self.agree(f"tick_due {key!r}", got, self.model.tick(key, self.now))
+                did = [what for what in ("wakes", "evicted", "removed") if getattr(got, what)]
+                event(f"tick_due {', '.join(did)}")
+                self.learn_wakes("tick_due", got.wakes)
+                ticked.add(key)
+                continue
+            before = copy.deepcopy(self.model.keys.get(key))
+            if before is None or not before.runs:
+                continue  # nothing to do on a key without runs: never due
+            untouched = self.model.snapshot(key)
+            silent = self.model.tick(key, self.now)
+            shown = self.at().snapshot(scope=self.scope, key=key)
+            if not (silent.wakes or silent.evicted or silent.removed) and shown == self.model.snapshot(key):
+                if shown != untouched:
+                    event("tick_due drops silently")
+                ticked.add(key)  # ticked silently, or nothing of it shows
+                continue
+            self.model.keys[key] = before
+            # Left alone, or the store did something the model does not: the snapshots disagree.
+        left = sorted(key for key in ticked if self.model.has_work(key, self.now))
+        assert not left, f"the model's tick left work due on {left}"
+
     @rule(seconds=st.sampled_from([0.0, 0.5, 1.0, 2.5, 4.0, 6.0, 11.0, 25.0, 45.0]))
-    def tick(self, seconds: float) -> None:
+    def advance(self, seconds: float) -> None:
         self.now += seconds
 
     @precondition(lambda self: any(k.runs for k in self.model.keys.values()))
-    @rule(data=st.data(), past=st.sampled_from([0.0, 0.5]))
-    def deliver_at_a_deadline(self, data: st.DataObject, past: float) -> None:
-        """Land exactly on (or just past) a run's deadline, then deliver a run of its key.
+    @rule(data=st.data(), past=st.sampled_from([0.0, 0.5]), then=st.sampled_from(["deliver", "tick_due"]))
+    def at_a_deadline(self, data: st.DataObject, past: float, then: str) -> None:
+        """Land exactly on (or just past) a run's deadline, then deliver a run of its key or tick.
 
-        Deadlines: a lease's end, an orphan's eviction, a waiter's passing over and removal,
-        a settled marker's expiry; exact equality is where ``<`` and ``<=`` differ.
+        Deadlines: a lease's end, an orphan's eviction, an unconfirmed registration's expiry, a
+        re-issue and an abandonment, a settled marker's expiry, an idle key's end; exact equality
+        is where ``<`` and ``<=`` differ.
         """
         deadlines = []
         for key, k in sorted(self.model.keys.items()):
@@ -706,9 +879,12 @@ class GateMachine(RuleBasedStateMachine):
                     deadlines.append((key, run.lease_expires_at))
                     if run.orphan is not None:
                         deadlines.append((key, run.lease_expires_at + run.orphan))
-                elif run.passed_over_at is not None:
-                    deadlines.append((key, run.passed_over_at))
-                    deadlines.append((key, run.passed_over_at + RETENTION))
+                else:
+                    if not run.confirmed:
+                        deadlines.append((key, run.created_at + GRACE))
+                    if run.reissue_at is not None:
+                        deadlines.append((key, run.reissue_at))
+                        deadlines.append((key, max(run.reissue_at, run.seen_at + RETENTION)))
             deadlines += [(key, expires) for _gen, expires in k.settled.values()]
             if k.idle_until is not None:
                 deadlines.append((key, k.idle_until))
@@ -717,6 +893,9 @@ class GateMachine(RuleBasedStateMachine):
             return
         key, at = data.draw(st.sampled_from(future), label="deadline")
         self.now = at + past
+        if then == "tick_due":
+            self.tick_due()
+            return
         runs = [r.run_id for r in self.model.key(key).runs] + [self.run_id(key, n) for n in (1, 2)]
         run_id = data.draw(st.sampled_from(runs), label="run")
         self.claim_as(key, run_id, self.latest.get((key, run_id), 0), b"payload")
@@ -724,10 +903,45 @@ class GateMachine(RuleBasedStateMachine):
     @invariant()
     def snapshots_agree(self) -> None:
         # Key by key: a whole-namespace snapshot is an operator's tool and may scan the server.
-        got = []
+        got: list[KeySnapshot] = []
         for key in sorted(KEYS):
             got += self.at().snapshot(scope=self.scope, key=key)
         self.agree("snapshot", got, self.model.snapshot())
+        self.promises_kept(got)
+
+    def promises_kept(self, snapshots: list[KeySnapshot]) -> None:
+        """What the rules promise, checked on the store's snapshot and the machine's own record."""
+        by_key = {snap.key: snap for snap in snapshots}
+        for snap in snapshots:
+            assert len(snap.holders) <= KEYS[snap.key].limit, f"{snap.key!r}: {len(snap.holders)} holders"
+            # Every unsettled run counts: the store holds each one the model does.
+            assert len(snap.holders) + len(snap.waiters) == len(self.model.key(snap.key).runs)
+            # The line is registration order.
+            places = [self.registered[(snap.key, w.run_id)] for w in snap.waiters]
+            assert places == sorted(places), f"{snap.key!r}: the line is out of registration order"
+        for key, run_id in self.from_the_line:
+            # Nobody is admitted past an earlier waiter: fewer earlier waiters than free slots.
+            snap = by_key[key]
+            earlier = [
+                w.run_id
+                for w in snap.waiters
+                if self.registered[(key, w.run_id)] < self.registered[(key, run_id)]
+            ]
+            assert len(earlier) + len(snap.holders) <= KEYS[key].limit, (
+                f"{run_id} admitted past {earlier} with {len(snap.holders) - 1} other holders"
+            )
+        self.from_the_line = []
+        self.present = {
+            (snap.key, run_id): holding
+            for snap in snapshots
+            for run_id, holding in [
+                *((h.run_id, True) for h in snap.holders),
+                *((w.run_id, False) for w in snap.waiters),
+            ]
+        }
+        # A run that left the store (settled, evicted, removed, dropped) ends its life.
+        self.admitted &= set(self.present)
+        self.registered = {run: place for run, place in self.registered.items() if run in self.present}
 
     def teardown(self) -> None:
         # Leave nothing behind on the shared server for the next example.
@@ -763,21 +977,76 @@ def test_store_agrees_with_the_model(backend: str, store_factory: Callable[..., 
 
 
 class ForgetfulModel(Model):
-    """A model that never notifies waiters on release: the comparison must catch it."""
+    """Never hands a slot on: no wakes, no re-issues, no abandoned waiters."""
 
-    def wakes(self, key: str, k: MKey, now: float, skip: str | None) -> list[Wake]:
+    def hand_on(self, key: str, k: MKey, now: float, skip: str | None, removed: list[str]) -> list[Wake]:
         return []
 
 
-def test_a_wrong_model_is_caught() -> None:
+class PassingOverModel(Model):
+    """The old rule: a waiter unseen past its re-issue time is passed over (owns no slot)."""
+
+    @staticmethod
+    def owners(k: MKey, now: float) -> list[MRun]:
+        free = max(0, k.limit - len(k.holders()))
+        return [r for r in k.line() if r.reissue_at is None or r.reissue_at >= now][:free]
+
+
+class NoReissueModel(Model):
+    """Wakes gated owners but never issues again an owner whose copies are lost."""
+
+    @staticmethod
+    def reissue_due(run: MRun, now: float) -> bool:
+        return False
+
+
+class NoAbandonmentModel(Model):
+    """Issues a lost owner again and again, however long nothing of it showed up."""
+
+    @staticmethod
+    def abandoned(run: MRun, now: float) -> bool:
+        return False
+
+
+class UndelayedModel(Model):
+    """Forgets a run's delay: issues it again before its delayed message could come."""
+
+    def register(
+        self, spec: RunSpec, payload: bytes | None, delay: float, now: float, confirmed: bool
+    ) -> RegisterOutcome:
+        return super().register(spec, payload, 0.0, now, confirmed)
+
+
+class EveryRegistrationStaysModel(Model):
+    """Keeps unconfirmed registrations past the grace: their place and count stay."""
+
+    @staticmethod
+    def never_published(k: MKey, now: float) -> list[MRun]:
+        return []
+
+
+@pytest.mark.parametrize(
+    "wrong",
+    [
+        ForgetfulModel,
+        PassingOverModel,
+        NoReissueModel,
+        NoAbandonmentModel,
+        UndelayedModel,
+        EveryRegistrationStaysModel,
+    ],
+)
+def test_a_wrong_model_is_caught(wrong: type[Model]) -> None:
+    """Each rule is reached: a model without it disagrees with the store."""
     store = MemoryStore(
         f"memory://model-{uuid.uuid4().hex}", timings=Timings(GRACE, RETENTION), clock=ManualClock(T0)
     )
-    with pytest.raises(AssertionError, match="store answered"):
+    # The store disagrees with it, or (for a rule has_work restates) it with itself.
+    with pytest.raises(AssertionError, match=r"store answered|the model's tick left work due"):
         run_state_machine_as_test(
-            machine_for(store, ForgetfulModel),
+            machine_for(store, wrong),
             settings=settings(
-                max_examples=500,
+                max_examples=1000,
                 stateful_step_count=50,
                 deadline=None,
                 database=None,
