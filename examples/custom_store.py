@@ -102,17 +102,11 @@ class _Transaction(KeyTransaction):
     def waiters_before(self, seq: int) -> int:
         return sum(1 for run in self._waiters() if run.seq < seq)
 
-    def _overdue(self, before: float) -> list[RunRecord]:
-        # A real store keeps an index of waiters on passed_over_at.
+    def unconfirmed_before(self, before: float) -> list[str]:
+        # A real store keeps an index of unconfirmed waiters on created_at.
         waiting = (run for run in self.data.runs.values() if run.state is not RunState.HOLDING)
-        overdue = [run for run in waiting if run.passed_over_at is not None and run.passed_over_at < before]
-        return sorted(overdue, key=lambda run: (run.passed_over_at or 0.0, run.run_id))
-
-    def count_passed_over(self, now: float) -> int:
-        return len(self._overdue(now))
-
-    def passed_over_before(self, before: float) -> list[str]:
-        return [run.run_id for run in self._overdue(before)]
+        ordered = sorted(waiting, key=lambda run: (run.created_at, run.run_id))
+        return [run.run_id for run in ordered if not run.confirmed and run.created_at < before]
 
     def settled_generation(self, run_id: str, now: float) -> int | None:
         marker = self.data.settled.get(run_id)
@@ -170,6 +164,16 @@ class DictStore(RuleStore):
             with self.transaction(ref.scope, ref.key) as tx:
                 alive.append(gate.heartbeat(tx, ref.run_id, ref.token))
         return alive, self.time()
+
+    def due_keys(self, now: float, count: int) -> list[tuple[str, str]]:
+        # A real store keeps an index of its keys on due_at: workers ask every heartbeat.
+        with self._server.lock:
+            due = [
+                (data.meta.due_at, scope, key)
+                for (namespace, scope, key), data in self._server.keys.items()
+                if namespace == self.namespace and data.meta is not None and data.meta.due_at is not None
+            ]
+        return [(scope, key) for due_at, scope, key in sorted(due) if due_at < now][:count]
 
     def snapshot(self, *, scope: str | None = None, key: str | None = None) -> list[KeySnapshot]:
         with self._server.lock:

@@ -7,15 +7,16 @@ their own process with :func:`build`.
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
 from celery import Celery, Task, signals
 
-from singleton_tasks import current_admission
+from singleton_tasks import SingletonQueueFullError, current_admission
 from singleton_tasks.celery import SingletonTask, install
 
-from .runlog import Flaky, RunLog, perform
+from .runlog import Enqueue, Flaky, RunLog, perform
 from .settings import (
     MAX_RETRIES,
     PLAIN_TASK,
@@ -27,6 +28,9 @@ from .settings import (
     real_time,
     shift_clock,
 )
+
+#: A plain task that sends a singleton run from inside a worker (scenario "sends from prefork tasks").
+RELAY_TASK = "relay"
 
 
 def build(settings: Settings) -> Celery:
@@ -58,6 +62,7 @@ def build(settings: Settings) -> Celery:
         max_retry_delay=settings.max_retry_delay,
         lease=settings.lease,
         orphan_timeout=settings.orphan_timeout,
+        heartbeat_interval=settings.heartbeat_interval or None,
     )
     log = RunLog(settings.log_url)
     retry: dict[str, Any] = {
@@ -110,6 +115,26 @@ def build(settings: Settings) -> Celery:
 
     # Durable like the singleton tasks, so a SIGKILL does not lose a plain run either.
     app.task(name=PLAIN_TASK, acks_late=True, reject_on_worker_lost=True, **retry)(plain)
+
+    def relay(task: str, key: str, item: int, duration: float, queue: str) -> None:
+        """Send one run of singleton ``task`` to ``queue`` from inside a task (a prefork pool
+        process) and log the attempt as producer ``relay<item>-<pid>``; nothing else after it."""
+        from celery.utils import uuid as celery_uuid
+
+        run_id = celery_uuid()
+        log.execute("SELECT 1")  # connected before the send: the log row is all that follows it
+        at, error = real_time(), None
+        try:
+            app.tasks[task].apply_async((key, item, duration, False), task_id=run_id, queue=queue)
+        except SingletonQueueFullError:
+            error = "SingletonQueueFullError"
+        limit = SINGLETON_TASKS[task][0]
+        record = Enqueue(
+            f"relay{item}-{os.getpid()}", 0, task, key, run_id, limit, error is None, error, at, real_time()
+        )
+        log.enqueues(settings.run, [record])
+
+    app.task(name=RELAY_TASK, shared=False)(relay)
     app.finalize()
     return app
 

@@ -1,12 +1,16 @@
 """The invariant checker: docs/concepts.md#the-life-of-a-run over one logged scenario run.
 
 1. never more than ``limit`` bodies of a key overlap;
-2. every accepted enqueue ran to completion at least once (none lost; runs the runner purged on
-   purpose are reported, not counted);
+2. every accepted enqueue ran to completion at least once — a purged one too (the store issues a
+   waiter again from its payload when its copies are lost). Excused, and reported: a run purged
+   while it held its slot (a holder is evicted and never issued again: its body ran, or runs no
+   more) and a run the store abandoned (re-issued and never seen for the store's ``retention``);
 3. no key is left with holders or waiters when the work is done (``Store.snapshot``);
-4. ``limit=1``: same-key bodies start in enqueue order, except a run passed over after a crash
-   (a kill, a SIGTERM, a store outage, a purge between its enqueue and the later run's start,
-   and at least ``orphan_timeout`` between them: the only way the rules let a later run go first);
+4. ``limit=1``: same-key bodies start in enqueue order. The one exception is a first-sight
+   registration: a run the store dropped (abandoned, or a registration never confirmed) and
+   registered anew when a copy of it arrived, at the back of the line. The log names such runs
+   with an ``abandoned`` or ``unconfirmed`` event; nothing else reorders the line (a crash, a
+   takeover, an eviction or a purge does not);
 5. fencing tokens strictly increase per key in start order: every token is given once, a run's
    later bodies (retries, takeovers) have larger tokens, and a body never starts after a body with a
    larger token ended. With ``limit=1`` start order is admission order, so that is exact; with
@@ -51,8 +55,11 @@ ADMISSION_SLACK = 1.0
 #: reply may wait in the socket for a long time (kombu pauses a popped reply while the worker's
 #: prefetch is full), so there is no time window, only this cap. See :func:`lost_to_broker`.
 BROKER_LOSS_PER_KILL = 1
-#: Events after which a waiter may legitimately be passed over (docs/concepts.md#leases).
-DISRUPTIONS = frozenset({"kill", "term", "store_down", "purge"})
+#: Events naming runs the store dropped from the line (detail: a JSON list of run ids): a run
+#: ``abandoned`` (issued again and again, never seen for the store's retention) or whose
+#: registration was dropped ``unconfirmed`` (its publish never confirmed within the grace). A copy
+#: of such a run that arrives later is registered at first sight, behind the runs in line then.
+DROPPED = frozenset({"abandoned", "unconfirmed"})
 
 
 @dataclass(frozen=True)
@@ -76,10 +83,15 @@ class CheckResult:
     killed_bodies: int = 0
     retried_runs: int = 0  # runs with more than one body (retries, redeliveries after a crash)
     repeated_completions: int = 0  # runs whose body returned more than once (at-least-once after a crash)
+    # Runs purged while they held their slot: evicted, never issued again (excused from invariant 2).
     purged: list[str] = field(default_factory=list)
-    # Runs whose message the broker lost before any delivery when a worker was SIGKILLed: only
-    # excused for a broker documented to lose them (kombu's Redis transport pops a message before
-    # it records it as unacked); they stay registered (pending) in the store, see the report.
+    # Runs purged while they waited that ran anyway (issued again from the store: not excused).
+    purged_ran: list[str] = field(default_factory=list)
+    # Runs the store abandoned (removed from the line, logged at error): excused from invariant 2.
+    abandoned: list[str] = field(default_factory=list)
+    # Holders whose retry the broker lost before any delivery when a worker was SIGKILLed: only
+    # excused for a broker documented to lose a message (kombu's Redis transport pops a message
+    # before it records it as unacked); a lost waiter's message is issued again and never excused.
     broker_lost: list[str] = field(default_factory=list)
     broker_loss_cap: int = 0  # how many the kills could have lost: per kill × kills (0: none declared)
     # Unfinished runs consistent with a loss in transit, but beyond the cap: counted as lost.
@@ -138,7 +150,11 @@ class CheckResult:
         row("completed", self.completed, not self.lost)
         row("lost", len(self.lost), not self.lost)
         if self.purged:
-            row("lost by the broker (purged on purpose)", len(self.purged))
+            row("purged while holding (evicted, never issued again)", len(self.purged))
+        if self.purged_ran:
+            row("purged while waiting, ran anyway (issued again)", len(self.purged_ran))
+        if self.abandoned:
+            row("abandoned by the store (retention)", len(self.abandoned))
         if self.broker_loss_cap:
             row(
                 "lost by the broker at a SIGKILL (excused, at most)",
@@ -149,7 +165,7 @@ class CheckResult:
                 row("  in transit at a kill, over the cap", len(self.broker_loss_over_cap), False)
         row("overlaps over limit", len(self.overlaps), not self.overlaps)
         row("FIFO inversions (limit 1)", len(self.fifo_inversions), not self.fifo_inversions)
-        row("  excused: passed over after a crash", self.fifo_excused)
+        row("  excused: re-registered at first sight", self.fifo_excused)
         row("token order violations", len(self.token_violations), not self.token_violations)
         row("stuck keys", len(self.stuck_keys), not self.stuck_keys)
         row("rejected enqueues that left a trace", len(self.rejected_leftovers), not self.rejected_leftovers)
@@ -262,26 +278,40 @@ def check_tokens(spans: Sequence[Span], limits: dict[tuple[str, str], int]) -> l
     return found
 
 
+def named_runs(data: RunData, kinds: Iterable[str]) -> dict[str, float]:
+    """The runs the log's events of ``kinds`` name (detail: a JSON list of run ids): run id -> the
+    first such event's time."""
+    wanted = set(kinds)
+    named: dict[str, float] = {}
+    for event in data.events:
+        if event.kind in wanted and event.detail:
+            for run_id in json.loads(event.detail):
+                named.setdefault(run_id, event.at)
+    return named
+
+
 def check_fifo(
-    data: RunData, first_start: dict[str, float], limits: dict[tuple[str, str], int], orphan_timeout: float
+    data: RunData, first_start: dict[str, float], limits: dict[tuple[str, str], int]
 ) -> tuple[list[str], int]:
-    disruptions = sorted(e.at for e in data.events if e.kind in DISRUPTIONS)
+    """Invariant 4: every later-enqueued run of a ``limit=1`` key starts after the earlier ones,
+    unless the earlier one was dropped from the line before the later one started (it came back
+    at first sight, behind it)."""
+    dropped = named_runs(data, DROPPED)
     found: list[str] = []
     excused = 0
-    by_line: dict[tuple[str, str, str], list[tuple[int, float, str]]] = defaultdict(list)
+    by_line: dict[tuple[str, str, str], list[tuple[int, str]]] = defaultdict(list)
     for e in data.enqueues:
         if e.accepted and limits.get((e.scope, e.key)) == 1 and e.run_id in first_start:
             # Enqueue order is only defined within one producer (its own sequence).
-            by_line[(e.scope, e.key, e.producer)].append((e.seq, e.at, e.run_id))
+            by_line[(e.scope, e.key, e.producer)].append((e.seq, e.run_id))
     for (scope, key, _producer), line in sorted(by_line.items()):
         line.sort()
-        for i, (_seq_a, at_a, a) in enumerate(line):
-            for _seq_b, _at_b, b in line[i + 1 :]:
-                if first_start[b] >= first_start[a]:
-                    continue
+        for i, (_seq_a, a) in enumerate(line):
+            for _seq_b, b in line[i + 1 :]:
                 started = first_start[b]
-                crash = any(at_a < at < started for at in disruptions)
-                if crash and started - at_a >= orphan_timeout:
+                if started >= first_start[a]:
+                    continue
+                if a in dropped and dropped[a] < started:
                     excused += 1
                     continue
                 found.append(
@@ -301,54 +331,35 @@ class BrokerLoss:
 
 
 def in_transit_since(data: RunData, run_id: str) -> float | None:
-    """When the run's newest message left for the broker, if no worker has received it since; else None.
+    """When the run's retry left for the broker, if it is the run's newest message and no worker has
+    received it since; else None.
+
+    Only a holder's message can be lost for good: a holder keeps its slot while its retry is on its
+    way, and the store never issues a holder again (it is evicted after ``orphan_timeout``). A
+    waiter's lost message (its first, a deferred copy, a wake) is issued again from the payload the
+    store keeps when the waiter's turn comes: it runs, and is never excused.
 
     Evidence from the log (Celery: ``received`` = kombu recorded the message as unacked, so a dead
-    worker's copy comes back after ``visibility_timeout``; ``delivery`` = task code saw it):
-
-    - nothing recorded for the run: its enqueued message never reached a worker — since its enqueue;
-    - its latest record is a delivery that published a new copy — deferred by the gate
-      (``IGNORED: deferred …``) or retried (``RETRY``, or a body that raised) — and nothing received
-      after it: since that delivery's start;
-    - its latest record is a delivery that dropped a stale copy: the live copy is a newer one published
-      elsewhere (a wake at a release) that no worker received — since the run's previous publishing
-      delivery (the wake came after it), or its enqueue;
-    - otherwise (its latest record is a receipt, a body killed mid-run, a body that returned, or a
-      delivery killed midway — then its receipt is the latest record) a worker had the message: not
-      in transit.
+    worker's copy comes back after ``visibility_timeout``): the run's latest record is a body that
+    raised (its retry is published as it ends) or a ``RETRY`` delivery, with no receipt after it —
+    since the body's end (the delivery's start). Otherwise (a receipt, a body killed mid-run or that
+    returned, a deferral, a dropped copy, nothing at all) it is not a holder's retry in transit.
     """
-    enqueued = [e.at for e in data.enqueues if e.run_id == run_id and e.accepted]
-    if not enqueued:
-        return None
     records: list[tuple[float, int, str, float | None]] = []  # (start, order, what, end)
     for d in data.deliveries:
         if d.run_id == run_id:
-            what = "received" if d.kind == "received" else _delivery_outcome(d.detail)
-            records.append((d.start, 0, what, d.end))
+            retried = d.kind == "delivery" and d.detail.startswith("RETRY")
+            records.append((d.start, 0, "retry" if retried else d.kind, d.end))
     for b in data.bodies:
         if b.run_id == run_id:
             # A body starts after its delivery's start: it is the later record of that delivery.
-            what = {"ok": "ok", "raised": "published"}.get(b.outcome or "", "killed")
-            records.append((b.start, 1, what, b.end))
+            records.append((b.start, 1, "retry" if b.outcome == "raised" else "body", b.end))
     if not records:
-        return min(enqueued)
-    records.sort()
-    start, order, what, end = records[-1]
-    if what == "published":
-        # A deferral publishes during its delivery (from its start on); a retry after the body raised.
-        return end if order == 1 and end is not None else start
-    if what == "dropped":
-        earlier = [r[0] for r in records[:-1] if r[2] == "published"]
-        return max(earlier) if earlier else min(enqueued)
-    return None
-
-
-def _delivery_outcome(detail: str) -> str:
-    if detail.startswith(("IGNORED: deferred", "RETRY")):
-        return "published"
-    if detail.startswith("IGNORED: stale"):
-        return "dropped"
-    return "other"
+        return None
+    start, order, what, end = max(records, key=lambda r: (r[0], r[1]))
+    if what != "retry":
+        return None
+    return end if order == 1 and end is not None else start
 
 
 def lost_to_broker(
@@ -357,13 +368,13 @@ def lost_to_broker(
     """The unfinished runs a SIGKILL may have lost in transit (kombu's Redis transport), at most
     ``per_kill`` per kill.
 
-    A run qualifies when :func:`in_transit_since` says its newest message never reached a worker and a
-    worker was SIGKILLed after that message was published (the worker that popped it died before it
-    recorded it). Each kill accounts for at most ``per_kill`` runs (:data:`BROKER_LOSS_PER_KILL`):
-    runs are matched to kills, the latest-published first (they can use the fewest kills); a run no
-    kill is left for is reported in ``over_cap`` and stays lost. Such a run stays pending in the store
-    (a lost first message) or is evicted after ``orphan_timeout`` (a lost later copy), as
-    docs/concepts.md#leases says.
+    A run qualifies when :func:`in_transit_since` says its newest message is a holder's retry that
+    never reached a worker, and a worker was SIGKILLed after that retry was published (the worker
+    that popped it died before it recorded it). Each kill accounts for at most ``per_kill`` runs
+    (:data:`BROKER_LOSS_PER_KILL`): runs are matched to kills, the latest-published first (they can
+    use the fewest kills); a run no kill is left for is reported in ``over_cap`` and stays lost. Such
+    a run holds its slot until it is evicted, ``orphan_timeout`` after its lease lapsed
+    (docs/concepts.md#eviction).
     """
     kills = sorted(e.at for e in data.events if e.kind == "kill")
     since = {r: t for r in unfinished if (t := in_transit_since(data, r)) is not None}
@@ -399,7 +410,6 @@ def check(data: RunData, snapshots: Iterable[KeySnapshot], *, now: float | None 
         title=f"{scenario.name} · {scenario.framework} · {scenario.broker} broker · {scenario.store} store",
         duration=horizon - scenario.started,
     )
-    orphan_timeout = float(scenario.settings.get("orphan_timeout", 0.0))
     limits: dict[tuple[str, str], int] = {}
     for e in data.enqueues:
         limit = limit_of(e.scope, e.limit)
@@ -413,10 +423,7 @@ def check(data: RunData, snapshots: Iterable[KeySnapshot], *, now: float | None 
     spans = resolve_spans(data, now)
     accepted = {e.run_id for e in data.enqueues if e.accepted}
     rejected = {e.run_id for e in data.enqueues if not e.accepted} - accepted
-    purged: set[str] = set()
-    for event in data.events:
-        if event.kind == "purge" and event.detail:
-            purged.update(json.loads(event.detail))
+    purged = named_runs(data, ["purge"])
     completions: dict[str, int] = defaultdict(int)
     attempts: dict[str, int] = defaultdict(int)
     first_start: dict[str, float] = {}
@@ -439,8 +446,14 @@ def check(data: RunData, snapshots: Iterable[KeySnapshot], *, now: float | None 
     result.completed = len(accepted & set(completions))
     result.retried_runs = sum(1 for n in attempts.values() if n > 1)
     result.repeated_completions = sum(1 for n in completions.values() if n > 1)
-    result.purged = sorted(purged & accepted - set(completions))
-    lost = accepted - set(completions) - purged
+    unfinished = accepted - set(completions)
+    # Purged while it held its slot (its body had started): evicted, never issued again. A run
+    # purged while it waited is issued again from the store: it must run like any other.
+    result.purged = sorted(r for r in unfinished if r in purged and first_start.get(r, horizon) < purged[r])
+    result.purged_ran = sorted(r for r in purged.keys() & set(completions) if first_start[r] > purged[r])
+    abandoned = set(named_runs(data, ["abandoned"]))
+    result.abandoned = sorted(unfinished & abandoned)
+    lost = unfinished - set(result.purged) - abandoned
     snapshots = list(snapshots)
     per_kill = broker_loss_per_kill(scenario.settings)
     if per_kill:
@@ -451,19 +464,19 @@ def check(data: RunData, snapshots: Iterable[KeySnapshot], *, now: float | None 
     result.lost = sorted(lost - set(result.broker_lost))
     result.overlaps = check_overlaps(spans, limits, horizon)
     result.token_violations = check_tokens(spans, limits)
-    result.fifo_inversions, result.fifo_excused = check_fifo(data, first_start, limits, orphan_timeout)
+    result.fifo_inversions, result.fifo_excused = check_fifo(data, first_start, limits)
 
     excused = set(result.broker_lost)
     gone = set(result.purged)
     for snap in snapshots:
         left = [h.run_id for h in snap.holders] + [w.run_id for w in snap.waiters]
         if left and all(r in excused for r in left):
-            # Only runs the broker lost are left: passed over in the line, or a holder whose retry
-            # was lost, evicted at the key's next operation (docs/concepts.md#leases).
+            # Only holders whose retry the broker lost are left: evicted at the key's next
+            # operation after their lease and orphan_timeout lapsed (docs/concepts.md#eviction).
             continue
-        if left and all(r in gone for r in left) and _out_of_the_way(snap, now):
-            # Only purged runs are left, none blocking the key: waiters passed over (removed after
-            # the store's retention), holders whose lease lapsed (evicted at the next operation).
+        if not snap.waiters and left and all(r in gone for r in left) and _lapsed(snap, now):
+            # Only holders purged while they held are left, their leases lapsed: nothing waits
+            # behind them, and the key's next operation evicts them (docs/concepts.md#eviction).
             continue
         if snap.holders or snap.waiters:
             holders = [h.run_id[:8] for h in snap.holders]
@@ -481,12 +494,9 @@ def check(data: RunData, snapshots: Iterable[KeySnapshot], *, now: float | None 
     return result
 
 
-def _out_of_the_way(snap: KeySnapshot, now: float) -> bool:
-    """No holder of the key holds a live lease and no waiter is still in line
-    (docs/concepts.md#passed-over-waiters)."""
-    return all(h.lease_expires_at <= now for h in snap.holders) and all(
-        w.passed_over_at is not None and w.passed_over_at <= now for w in snap.waiters
-    )
+def _lapsed(snap: KeySnapshot, now: float) -> bool:
+    """No holder of the key holds a live lease."""
+    return all(h.lease_expires_at <= now for h in snap.holders)
 
 
 def store_snapshots(store_url: str, namespace: str) -> list[KeySnapshot]:

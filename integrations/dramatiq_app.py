@@ -109,6 +109,7 @@ def build(settings: Settings) -> DramatiqApp:
         max_retry_delay=settings.max_retry_delay,
         lease=settings.lease,
         orphan_timeout=settings.orphan_timeout,
+        heartbeat_interval=settings.heartbeat_interval or None,
     )
     broker.add_middleware(middleware)
     backoff_ms = max(1, round(settings.retry_backoff * 1000))

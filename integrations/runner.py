@@ -35,7 +35,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from singleton_tasks import SingletonQueueFullError, StoreUnavailableError, store_from_url
+from singleton_tasks import (
+    SingletonPayloadError,
+    SingletonQueueFullError,
+    StoreUnavailableError,
+    store_from_url,
+)
 from singleton_tasks.outcomes import KeySnapshot
 
 from .checker import BROKER_LOSS_PER_KILL, lost_to_broker, store_snapshots
@@ -168,11 +173,12 @@ class CeleryDriver(Driver):
     framework = "celery"
     ready_text = " ready."
 
-    def __init__(self, settings: Settings, pool: str = "threads") -> None:
+    def __init__(self, settings: Settings, pool: str = "threads", max_tasks_per_child: int = 0) -> None:
         super().__init__(settings)
         from .celery_app import build
 
         self.pool = pool
+        self.max_tasks_per_child = max_tasks_per_child  # > 0: a pool process exits after that many tasks
         self.app = build(settings)
         self.sent: dict[str, tuple[str, tuple[Any, ...]]] = {}
 
@@ -195,6 +201,7 @@ class CeleryDriver(Driver):
             f"{worker}-{uuid.uuid4().hex[:6]}@%h",
             "--loglevel",
             "INFO",
+            *(["--max-tasks-per-child", str(self.max_tasks_per_child)] if self.max_tasks_per_child else []),
         ]
 
     def prepare(self, task: str, key: str, item: int, duration: float, fail: bool) -> Prepared:
@@ -475,6 +482,8 @@ class Producer:
             error = "SingletonQueueFullError"
         except StoreUnavailableError:
             error = "StoreUnavailableError"
+        except SingletonPayloadError as raised:
+            error = type(raised).__name__  # Dramatiq: PayloadError; Celery: SingletonPayloadError
         limit = SINGLETON_TASKS[task][0] if task in SINGLETON_TASKS else None
         scope = task if task in SINGLETON_TASKS else PLAIN_TASK
         record = Enqueue(

@@ -25,6 +25,7 @@ SINGLETON_TASKS: dict[str, tuple[int, int | None]] = {
     "pair": (2, None),
     "capped": (1, 5),
     "brief": (1, None),
+    "narrow": (1, 2),
 }
 #: Task-level overrides of the middleware's timings: ``brief`` has a lease far shorter than the
 #: middleware's (its heartbeats must follow its own lease).
@@ -50,6 +51,8 @@ class Settings:
     retry_delay: float = 0.3
     retry_jitter: float = 0.1
     max_retry_delay: float = 10.0  # the longest re-check delay (the library's default)
+    # > 0: the workers' heartbeat interval (their due-key ticks too); 0: the library's (lease / 3).
+    heartbeat_interval: float = 0.0
     retry_backoff: float = 0.1  # delay before a raising body's retry
     # RedisBroker: a SIGKILLed worker's messages come back after this (ms); dramatiq's default is 60 s.
     heartbeat_timeout_ms: int = 4000

@@ -66,6 +66,8 @@ class SingletonConfig:
             )
         if self.scope is not None and (not isinstance(self.scope, str) or not self.scope):
             raise SingletonConfigError(f"singleton scope must be a non-empty str, got {self.scope!r}")
+        if self.scope is not None:
+            check_storable(self.scope, "singleton scope")
         for name in ("lease", "orphan_timeout"):
             value = getattr(self, name)
             if (
@@ -119,6 +121,33 @@ def check_lease(lease: object, what: str) -> float:
             f"and must survive a slow store call), got {lease!r}"
         )
     return float(lease)
+
+
+def unencodable_at(text: str) -> int | None:
+    """Where ``text`` cannot be encoded as UTF-8 (a lone surrogate); None: it can."""
+    if text.isascii():  # O(1) on CPython: the common case costs nothing more
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        return error.start
+    return None
+
+
+#: What a text that no store can hold is, and what to do instead.
+_SURROGATE = (
+    "a lone surrogate, as os.listdir() and sys.argv give for bytes that are not UTF-8; "
+    "the stores keep text as UTF-8: key on os.fsencode(name).hex() or "
+    "os.fsencode(name).decode('utf-8', 'replace')"
+)
+
+
+def check_storable(text: str, what: str) -> str:
+    """``text``, or SingletonConfigError naming ``what`` and the text if UTF-8 cannot encode it."""
+    position = unencodable_at(text)
+    if position is not None:
+        raise SingletonConfigError(f"{what} {text!r} cannot be stored: position {position} is {_SURROGATE}")
+    return text
 
 
 def _is_int(value: object) -> bool:
@@ -177,6 +206,8 @@ class BoundSingleton:
                         f"{task_name}: key template {config.key!r} names {name!r}, "
                         f"which is not an argument of the task (arguments: {list(params)})"
                     )
+        if config.scope is None:
+            check_storable(task_name, f"{task_name}: the task's name, its singleton scope,")
         return cls(task_name, config, config.scope or task_name, signature)
 
     def derive_key(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
@@ -205,6 +236,12 @@ class BoundSingleton:
             raise SingletonKeyError(
                 f"{self.task_name}: the singleton key has {len(result)} characters, "
                 f"more than {MAX_KEY_LENGTH}: {result[:40]!r}..."
+            )
+        position = unencodable_at(result)
+        if position is not None:
+            raise SingletonKeyError(
+                f"{self.task_name}: the singleton key {result!r} cannot be stored: "
+                f"position {position} is {_SURROGATE}"
             )
         return result
 

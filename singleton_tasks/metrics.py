@@ -274,9 +274,9 @@ __all__ = [
     "observe_claim",
     "observe_evicted",
     "observe_gated",
+    "observe_reissued",
     "observe_rejected",
     "observe_release",
-    "observe_reissued",
     "observe_released",
     "observe_woken",
 ]

@@ -96,10 +96,13 @@ TICK_BATCH = 64
 CONFIRM_LINGER = 0.005
 #: At most this many confirms are sent in one round trip.
 CONFIRM_BATCH = 512
-#: At close and at interpreter exit, pending confirms get this long (seconds) to be sent.
+#: At close, at a fork and at process exit, pending confirms get this long (seconds) to be sent.
 CONFIRM_FLUSH_TIMEOUT = 5.0
 #: Every confirm thread of this process (flush_all_confirms).
 _CONFIRMERS: weakref.WeakSet[_Confirmer] = weakref.WeakSet()
+#: The process (pid) whose exit hook is registered, and the one whose exit hook ran.
+_exit_hook_pid = 0
+_exited_pid = 0
 
 
 def check_store_argument(store: object) -> None:
@@ -481,7 +484,9 @@ class Gatekeeper:
         done = self.store.tick_due(limit=TICK_BATCH)
         for outcome in done:
             # The scope names the task unless the declaration set a scope of its own.
-            self._log_housekeeping(outcome.scope, outcome.scope, outcome.key, outcome.evicted, outcome.removed)
+            self._log_housekeeping(
+                outcome.scope, outcome.scope, outcome.key, outcome.evicted, outcome.removed
+            )
             metrics.observe_evicted(outcome.scope, len(outcome.evicted))
             if outcome.wakes:
                 logger.info(
@@ -581,8 +586,8 @@ class _Heartbeater:
 
     The interval follows the holders: at most a third of the shortest lease among them (task
     overrides included), so each holder is heartbeated at least three times per its own lease.
-    The same thread retries settlements that failed on a store error and sweeps the store's
-    expired state now and then.
+    The same thread retries settlements that failed on a store error, sweeps the store's
+    expired state now and then, and has the store check its server again each interval.
     """
 
     def __init__(self, gatekeeper: Gatekeeper) -> None:
@@ -683,8 +688,12 @@ class _Heartbeater:
     def tick(self) -> None:
         """The due work of keys nobody calls (:meth:`Gatekeeper.tick_due`), for at most SWEEP_SLICE."""
         until = time.monotonic() + SWEEP_SLICE
-        while self._gatekeeper.tick_due() >= TICK_BATCH and time.monotonic() < until:
-            pass  # a full batch: more keys may be due
+        try:
+            while self._gatekeeper.tick_due() >= TICK_BATCH and time.monotonic() < until:
+                pass  # a full batch: more keys may be due
+        except StoreUnavailableError as error:
+            # An outage is the beat's and the operations' to report: not twice per interval.
+            logger.debug("the due keys' work failed: %s", error)
 
     def sweep(self) -> None:
         """Forget a slice of the store's expired state (settled markers, idle keys).
@@ -703,6 +712,17 @@ class _Heartbeater:
         if swept and time.monotonic() >= until:  # stopped by the deadline: more may be left
             self._next_sweep, self._sweeping = 0.0, True
 
+    def check_health(self) -> None:
+        """The store's re-check of its server (:meth:`Store.check_health`), once per interval."""
+        try:
+            self._gatekeeper.store.check_health()
+        except SingletonConfigError as error:
+            # Each interval while it lasts, without a traceback: the message names the fix.
+            logger.error("the store admits no new runs: %s", error)
+        except StoreUnavailableError as error:
+            # An outage is the beat's and the operations' to report: not twice per interval.
+            logger.debug("the store's health check failed: %s", error)
+
     def _loop(self) -> None:
         beaten_at = time.monotonic()
         while True:
@@ -715,7 +735,13 @@ class _Heartbeater:
                         return
                     beaten_at = 0.0  # the interval passed, or a shorter lease came: beat now
             if time.monotonic() >= beaten_at + self.interval:
-                steps: tuple[Callable[[], object], ...] = (self.beat, self.run_retries, self.tick, self.sweep)
+                steps: tuple[Callable[[], object], ...] = (
+                    self.beat,
+                    self.run_retries,
+                    self.tick,
+                    self.sweep,
+                    self.check_health,
+                )
                 beaten_at = time.monotonic()
             else:
                 steps = (self.sweep,)  # the next slice of a sweep, between two beats
@@ -744,7 +770,50 @@ def flush_all_confirms(timeout: float = CONFIRM_FLUSH_TIMEOUT) -> bool:
     return all(confirmer.flush(max(0.0, deadline - time.monotonic())) for confirmer in list(_CONFIRMERS))
 
 
-atexit.register(flush_all_confirms)  # before the daemon confirm threads stop with the interpreter
+def confirm_at_exit() -> None:
+    """The process exits: send every pending confirm; one handed over later is sent inline.
+
+    Runs at interpreter exit, at the exit of a ``multiprocessing`` or billiard child (which ends
+    with ``os._exit``: no atexit), and in a Celery prefork pool process (``worker_process_shutdown``).
+    After it, no confirm thread is left to rely on: a send from a later exit hook or a thread
+    still running confirms on its own thread.
+    """
+    global _exited_pid
+    _exited_pid = os.getpid()
+    deadline = time.monotonic() + CONFIRM_FLUSH_TIMEOUT
+    for confirmer in list(_CONFIRMERS):
+        confirmer.stop(max(0.0, deadline - time.monotonic()))
+
+
+def _at_child_exit(hook: Callable[[], None]) -> None:
+    """Call ``hook`` when this process exits as a ``multiprocessing`` or billiard child.
+
+    The one use of a stdlib internal (pinned by tests/test_framework_internals.py): such a child
+    ends with ``os._exit``, after its ``_bootstrap`` ran ``multiprocessing.util._exit_function``,
+    which calls the finalizers that this process registered with an exit priority (billiard
+    shares that registry). The registry is per process: a fork child registers its own.
+    """
+    from multiprocessing import util
+
+    util.Finalize(None, hook, exitpriority=100)  # first: before pools and queues are finalized
+
+
+def _register_exit_hook() -> None:
+    """Once per process, with its first confirm thread (a forked child's comes after the fork).
+
+    Two threads racing here register it twice: harmless, the second call finds nothing pending.
+    """
+    global _exit_hook_pid
+    if _exit_hook_pid != os.getpid():
+        _exit_hook_pid = os.getpid()
+        _at_child_exit(confirm_at_exit)
+
+
+atexit.register(confirm_at_exit)  # before the daemon confirm threads stop with the interpreter
+if hasattr(os, "register_at_fork"):
+    # A parent may os._exit right after forking (daemonizing): its batch goes out before the fork.
+    # The child's copies of the parent's confirm threads are dead; its gatekeepers make new ones.
+    os.register_at_fork(before=flush_all_confirms, after_in_child=_CONFIRMERS.clear)
 
 
 #: A run to confirm, ``(scope, key, run_id)``, and when (monotonic) its confirm was handed over.
@@ -759,7 +828,8 @@ class _Confirmer:
     publish, so a failed publish still leaves only an unconfirmed registration, passed over after
     the registration grace. A batch that fails on a store outage is tried again until the
     registration grace has passed (the delivery confirms the run then, as it does any
-    unconfirmed one); pending confirms are sent at close and at interpreter exit.
+    unconfirmed one); pending confirms are sent at close, before a fork and at process exit
+    (:func:`confirm_at_exit`), and inline once the exit hook has run.
     """
 
     def __init__(self, gatekeeper: Gatekeeper) -> None:
@@ -768,9 +838,10 @@ class _Confirmer:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._busy = False  # a batch is being sent
-        self._stopped = False
+        self._stopped = _exited_pid == os.getpid()  # made after the exit hook: confirms inline
         self._thread: threading.Thread | None = None
         _CONFIRMERS.add(self)
+        _register_exit_hook()
 
     def add(self, run: tuple[str, str, str]) -> None:
         with self._lock:

@@ -1183,7 +1183,9 @@ class _TimeRules(_Contract):
         admitted(store, first, wake.generation, month + 4)
 
     @pytest.mark.parametrize("state", ["pending", "woken"])
-    def test_a_slot_owner_whose_copies_are_lost_is_issued_again(self, make_store: StoreFactory, state: str) -> None:
+    def test_a_slot_owner_whose_copies_are_lost_is_issued_again(
+        self, make_store: StoreFactory, state: str
+    ) -> None:
         """A purged queue, a lost wake: the store issues the run again from its payload, once per
         bound (orphan timeout + re-check after it was last seen or issued), by any call on the
         key or by ``tick_due``; whichever copy comes first runs it, once."""
@@ -1221,7 +1223,9 @@ class _TimeRules(_Contract):
         for generation in (0, second.generation):
             stale(store, lost, generation, bound + 301)
 
-    def test_a_run_sent_with_a_delay_is_not_issued_before_its_delay_is_up(self, make_store: StoreFactory) -> None:
+    def test_a_run_sent_with_a_delay_is_not_issued_before_its_delay_is_up(
+        self, make_store: StoreFactory
+    ) -> None:
         store = make_store()
         delayed = spec("delayed", orphan=100.0, recheck=10.0)
         registered(store, delayed, T0, payload=b"later", delay=3600.0)

@@ -8,6 +8,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import redis
 from services import require_executable
@@ -83,3 +84,23 @@ def replica_in_sync(primary: RedisProcess, replicas: int = 1) -> bool:
             info.get(f"slave{i}", {}).get("state") == "online" for i in range(int(info["connected_slaves"]))
         )
     )
+
+
+def as_written_by_version_3(store: Any) -> None:
+    """Rewrite a Redis store's busy keys as schema version 3 left them: each run's ``reissue_at``
+    under its old name ``passed_over_at``, the waiters that had one in an ``overdue`` zset by it,
+    no ``unconfirmed`` zset, no ``due_at`` and no due index (per-key commands: a cluster client
+    routes each)."""
+    client = store._client
+    for tag in store._busy_tags():
+        prefix = store._ns_colon + tag + b":"
+        client.hdel(prefix + b"meta", "due_at")
+        client.zrem(store._due_index_key(tag), tag)
+        client.delete(prefix + b"unconfirmed")
+        for run_id in client.zrange(prefix + b"holders", 0, -1) + client.zrange(prefix + b"waiters", 0, -1):
+            run = prefix + b"run:" + run_id
+            state, value = client.hmget(run, ["state", "reissue_at"])
+            client.hdel(run, "reissue_at")
+            client.hset(run, "passed_over_at", value)
+            if value and state != b"holding":
+                client.zadd(prefix + b"overdue", {run_id: float(value)})

@@ -34,6 +34,7 @@ from singleton_tasks import (
     SingletonConfig,
     SingletonConfigError,
     SingletonKeyError,
+    SingletonPayloadError,
     SingletonQueueFullError,
     StoreUnavailableError,
     current_admission,
@@ -719,6 +720,24 @@ def test_key_errors_at_delay_raise_and_publish_nothing(store: Store) -> None:
     assert queued(app) == 0 and runs_of(store) == []
 
 
+def test_a_key_no_store_can_hold_fails_the_delay_and_publishes_nothing(store: Store) -> None:
+    """A lone surrogate (os.listdir() of a name that is not UTF-8): refused alike on every store."""
+    app = make_app(store)
+    name = "\udcff.csv"
+
+    @app.task(base=SingletonTask, singleton={"key": "report-{name}"}, name=unique(), shared=False)
+    def templated(name: str) -> None: ...
+
+    @app.task(base=SingletonTask, singleton={"key": lambda name: name}, name=unique(), shared=False)
+    def called(name: str) -> None: ...
+
+    for task, key in ((templated, "report-" + name), (called, name)):
+        with pytest.raises(SingletonKeyError) as caught:
+            task.delay(name)
+        assert task.name in str(caught.value) and repr(key) in str(caught.value)
+    assert queued(app) == 0 and runs_of(store) == []
+
+
 def test_a_send_task_message_with_a_bad_key_fails_once(store: Store) -> None:
     app = make_app(store)
     name = unique()
@@ -1058,8 +1077,10 @@ class _ReplyLostOnRegister(MemoryStore):
 
     failures = 1
 
-    def register(self, spec: RunSpec, *, confirmed: bool = True) -> RegisterOutcome:
-        outcome = super().register(spec, confirmed=confirmed)
+    def register(
+        self, spec: RunSpec, *, payload: bytes | None = None, delay: float = 0.0, confirmed: bool = True
+    ) -> RegisterOutcome:
+        outcome = super().register(spec, payload=payload, delay=delay, confirmed=confirmed)
         if self.failures:
             self.failures -= 1
             raise StoreUnavailableError("reply lost: timed out after the command was sent")
@@ -1087,7 +1108,7 @@ def test_a_registration_whose_reply_was_lost_is_undone(journal: Journal) -> None
 class _ParkFails(MemoryStore):
     """A real memory store whose park fails like an outage."""
 
-    def park(self, scope: str, key: str, run_id: str, payload: bytes, *, now: float) -> tuple[Wake, ...]:
+    def park(self, scope: str, key: str, run_id: str) -> tuple[Wake, ...]:
         raise StoreUnavailableError("store down at the park")
 
 
@@ -1098,6 +1119,9 @@ def test_a_run_whose_park_fails_is_published_and_runs_after_its_countdown(journa
     first, second = job.delay("first"), job.delay("second")  # no error: second was published
     assert queued(app) == 2
     assert [w.state for w in store.snapshot()[0].waiters] == [RunState.PENDING] * 2
+    # Published, so confirmed like any other run: never taken for one that was not.
+    assert gatekeeper_for(app).flush_confirms(10)
+    assert [w.confirmed for w in store.snapshot()[0].waiters] == [True, True]
     with worker(app):
         assert [r.get(interval=0.01, timeout=10) for r in (first, second)] == ["first", "second"]
     assert journal.labels() == ["first", "second"] and journal.overlaps == []
@@ -1110,3 +1134,47 @@ def test_a_run_with_its_own_countdown_is_not_held_back(store: Store, journal: Jo
     held = job.delay("held")
     states = {w.run_id: w.state for w in store.snapshot()[0].waiters}
     assert states[own.id] is RunState.PENDING and states[held.id] is RunState.GATED
+
+
+# -- the line keeps every run (docs/concepts.md#the-line) ---------------------------------------
+def test_an_argument_json_cannot_carry_fails_the_delay_and_leaves_no_trace(
+    store: Store, journal: Journal
+) -> None:
+    """Encoded before anything is written: a typed error, nothing registered or published."""
+    app = make_app(store)
+
+    @app.task(base=SingletonTask, singleton={"key": "k"}, name=unique(), shared=False)
+    def job(label: str, extra: Any = None) -> str:
+        with journal.body(label, "k"):
+            return label
+
+    with pytest.raises(SingletonPayloadError) as caught:
+        job.delay("unencodable", object())
+    assert isinstance(caught.value, TypeError) and job.name in str(caught.value)
+    assert queued(app) == 0 and runs_of(store) == []
+    with worker(app):
+        assert job.delay("next").get(interval=0.01, timeout=10) == "next"
+
+
+def test_a_run_whose_every_copy_was_lost_is_issued_again_by_the_worker(
+    store: Store, journal: Journal
+) -> None:
+    """A purged queue: the store still has the run and its payload; the worker's heartbeat thread
+    (in its main process) issues it again once it owns the free slot and nothing of it came for
+    orphan_timeout + re-check, and it runs once."""
+    app = make_app(store, orphan_timeout=1.0, max_retry_delay=0.2, heartbeat_interval=0.25)
+
+    @app.task(base=SingletonTask, singleton={"key": "k"}, name=unique(), shared=False)
+    def job(label: str) -> str:
+        with journal.body(label, "k"):
+            return label
+
+    lost = job.delay("lost")
+    assert gatekeeper_for(app).flush_confirms(10)
+    with app.connection() as conn:
+        conn.default_channel.queue_purge(app.conf.task_default_queue)
+    assert queued(app) == 0 and runs_of(store) == [lost.id]
+    with worker(app):
+        assert lost.get(interval=0.01, timeout=15) == "lost"
+        assert job.delay("next").get(interval=0.01, timeout=10) == "next"
+    assert journal.labels() == ["lost", "next"] and journal.overlaps == []

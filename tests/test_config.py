@@ -6,10 +6,14 @@ import inspect
 import pickle
 import subprocess
 import sys
+import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import POSTGRES_URL, REDIS_URL, StoreFactory
+from services import require_server
 
 from singleton_tasks import (
     DISABLED,
@@ -25,7 +29,8 @@ from singleton_tasks import (
 )
 from singleton_tasks.config import MAX_KEY_LENGTH
 from singleton_tasks.outcomes import RunSpec
-from singleton_tasks.stores import store_classes
+from singleton_tasks.runtime import Gatekeeper
+from singleton_tasks.stores import check_store_url, store_classes
 
 # ---------------------------------------------------------------------------- SingletonConfig
 
@@ -196,6 +201,44 @@ def test_keys_up_to_512_characters_are_fine() -> None:
     assert bind("{region}").derive_key((7, "🦄" * 512), {}) == "🦄" * 512
 
 
+#: What os.listdir() gives for a file name that is not UTF-8: no store can hold it.
+UNSTORABLE = "report-\udcff.csv"
+
+
+def test_a_key_utf_8_cannot_encode_is_refused_naming_the_task_and_the_key() -> None:
+    for bound, args in ((bind("{region}"), (7, UNSTORABLE)), (bind(lambda *a, **k: UNSTORABLE), (7,))):
+        with pytest.raises(SingletonKeyError) as caught:
+            bound.derive_key(args, {})
+        message = str(caught.value)
+        assert "tasks.sync" in message and repr(UNSTORABLE) in message and "position 7" in message
+
+
+def test_a_scope_utf_8_cannot_encode_is_refused_at_declaration() -> None:
+    with pytest.raises(SingletonConfigError, match=r"scope 'tasks\\udcff'"):
+        SingletonConfig(key="k", scope="tasks\udcff")
+    with pytest.raises(SingletonConfigError, match=r"^tasks\.sync: singleton scope"):
+        SingletonConfig.coerce({"key": "k", "scope": "\udcff"}, task_name="tasks.sync")
+    # Without a scope the task's name is the scope: it must be storable too.
+    with pytest.raises(SingletonConfigError, match=r"the task's name, its singleton scope"):
+        BoundSingleton.bind(SingletonConfig(key="k"), task_name="tasks.\udcff", signature=None)
+
+
+def test_a_namespace_utf_8_cannot_encode_is_refused() -> None:
+    with pytest.raises(SingletonConfigError, match=r"namespace 'ns\\udcff'"):
+        store_from_url("memory://", namespace="ns\udcff")
+
+
+def test_an_unstorable_key_is_refused_alike_on_every_store(store_factory: StoreFactory) -> None:
+    """Derived before any store is called: SQLite and PostgreSQL would raise an untyped
+    UnicodeEncodeError, memory and Redis would store it."""
+    store = store_factory()
+    gatekeeper = Gatekeeper(store)
+    for bound in (bind("{region}"), bind(lambda store_id, region="eu", dry_run=False: region)):
+        with pytest.raises(SingletonKeyError, match=r"tasks\.sync.*report-\\udcff\.csv"):
+            gatekeeper.register(bound, gatekeeper.spec(bound, "r1", (7, UNSTORABLE), {}))
+    assert store.snapshot() == []
+
+
 def test_key_function_gets_the_tasks_own_arguments() -> None:
     seen: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
 
@@ -320,6 +363,177 @@ def test_unreachable_store_fails_the_first_operation_chained(url: str, options: 
             store.schema_version()
     finally:
         store.close()
+
+
+# ---------------------------------------------------------------------------- ?retention= in store URLs
+
+#: A URL of each scheme whose store is made without connecting (the cluster's client connects).
+UNCONNECTED_URLS = [
+    "memory://retention",
+    "sqlite:///retention.db",
+    "postgresql://u:secret@127.0.0.1:1/test",
+    "postgres://u:secret@127.0.0.1:1/test?connect_timeout=3",
+    "redis://u:secret@127.0.0.1:1/0",
+    "rediss://u:secret@127.0.0.1:1/0?socket_timeout=2",
+    "redis+sentinel://u:secret@127.0.0.1:1/service",
+    "rediss+sentinel://u:secret@127.0.0.1:1/service/2",
+]
+CLUSTER_URLS = ["redis+cluster://u:secret@127.0.0.1:1", "rediss+cluster://127.0.0.1:1,127.0.0.1:2"]
+
+
+def with_query(url: str, query: str) -> str:
+    return url + ("&" if "?" in url else "?") + query
+
+
+@pytest.mark.parametrize("url", UNCONNECTED_URLS)
+def test_every_scheme_takes_retention_in_its_url(url: str, tmp_path: Path) -> None:
+    url = with_query(url.replace("retention.db", str(tmp_path / "retention.db")), "retention=3.5")
+    check_store_url(url)
+    store = store_from_url(url)
+    try:
+        assert store.retention == 3.5
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("url", CLUSTER_URLS)
+def test_the_cluster_schemes_take_retention_in_their_url(url: str) -> None:
+    check_store_url(with_query(url, "retention=3.5"))  # a live cluster: tests/test_redis_cluster.py
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "abc", "", "inf", "nan", "1e400"])
+@pytest.mark.parametrize("url", [*UNCONNECTED_URLS, *CLUSTER_URLS])
+def test_a_bad_retention_in_any_url_is_refused_naming_it(url: str, value: str) -> None:
+    url = with_query(url, f"retention={value}")
+    for check in (check_store_url, store_from_url):
+        with pytest.raises(SingletonConfigError, match="retention") as caught:
+            check(url)  # the cluster's is refused before its client connects
+        assert repr(value) in str(caught.value) and "secret" not in str(caught.value)
+
+
+def test_retention_given_twice_in_a_url_is_refused() -> None:
+    with pytest.raises(SingletonConfigError, match=r"retention= is given 2 times"):
+        store_from_url("redis://127.0.0.1:1/0?retention=5&retention=5")
+
+
+@pytest.mark.parametrize("url", ["memory://both", "redis://127.0.0.1:1/0?socket_timeout=1"])
+def test_retention_as_a_keyword_and_in_the_url_must_agree(url: str) -> None:
+    assert store_from_url(with_query(url, "retention=60"), retention=60.0).retention == 60.0
+    with pytest.raises(SingletonConfigError, match="given twice") as caught:
+        store_from_url(with_query(url, "retention=60"), retention=30)
+    assert "30" in str(caught.value) and "60" in str(caught.value)
+
+
+def test_the_other_url_options_still_reach_the_sqlite_file(tmp_path: Path) -> None:
+    store = store_from_url(f"sqlite:///{tmp_path / 'kept.db'}?retention=7")
+    try:
+        store.migrate()
+        store.register(RunSpec("s", "k", "r"))
+        assert sorted(path.name for path in tmp_path.iterdir())[0] == "kept.db"
+        assert [snap.key for snap in store.snapshot()] == ["k"]
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        pytest.param(with_query(POSTGRES_URL, "application_name=kept"), marks=pytest.mark.postgres),
+        pytest.param(with_query(REDIS_URL, "client_name=kept"), marks=pytest.mark.redis),
+    ],
+)
+def test_the_other_url_options_still_reach_the_server(url: str) -> None:
+    require_server(url, url.partition(":")[0])
+    store = store_from_url(with_query(url, "retention=7"), namespace=f"r{uuid.uuid4().hex[:8]}")
+    try:
+        assert store.retention == 7.0
+        store.time()  # a call on the server: it took the URL
+        if url.startswith("redis"):
+            assert store._thread_client().client_getname() in ("kept", b"kept")  # type: ignore[attr-defined]
+        else:
+            with store._get_pool().connection() as connection:  # type: ignore[attr-defined]
+                assert connection.info.parameter_status("application_name") in ("kept", b"kept")
+    finally:
+        store.close()
+
+
+# ---------------------------------------------------------------------------- timeouts
+
+REDIS_URLS = [
+    "redis://u:secret@127.0.0.1:1/0",
+    "redis+sentinel://u:secret@127.0.0.1:1/service",
+    "redis+cluster://u:secret@127.0.0.1:1",  # refused before its client connects
+]
+#: Timeouts that make every call fail: 0 at once, the others at every connect.
+FAILING_TIMEOUTS = [0, 0.0, -1, float("nan"), float("inf"), 1e300, "5", True]
+
+
+@pytest.mark.parametrize("value", FAILING_TIMEOUTS, ids=repr)
+@pytest.mark.parametrize("option", ["socket_timeout", "socket_connect_timeout"])
+@pytest.mark.parametrize("url", REDIS_URLS)
+def test_a_redis_timeout_that_fails_every_call_is_refused(url: str, option: str, value: object) -> None:
+    with pytest.raises(SingletonConfigError, match=option) as caught:
+        store_from_url(url, **{option: value})
+    assert repr(value) in str(caught.value) and "secret" not in str(caught.value)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "1e300"])
+@pytest.mark.parametrize("option", ["socket_timeout", "socket_connect_timeout"])
+@pytest.mark.parametrize("url", REDIS_URLS)
+def test_a_redis_timeout_in_the_url_that_fails_every_call_is_refused(
+    url: str, option: str, value: str
+) -> None:
+    url = with_query(url, f"{option}={value}")
+    for check in (check_store_url, store_from_url):
+        with pytest.raises(SingletonConfigError, match=option) as caught:
+            check(url)
+        assert repr(float(value)) in str(caught.value) and "secret" not in str(caught.value)
+
+
+@pytest.mark.parametrize("option", ["socket_timeout", "socket_connect_timeout"])
+def test_a_sentinel_timeout_that_fails_every_call_is_refused(option: str) -> None:
+    with pytest.raises(SingletonConfigError, match=f"sentinel_kwargs: {option}.*got 0"):
+        store_from_url("redis+sentinel://127.0.0.1:1/service", sentinel_kwargs={option: 0})
+
+
+@pytest.mark.parametrize("url", REDIS_URLS[:2])
+def test_usable_redis_timeouts_are_kept(url: str) -> None:
+    store = store_from_url(with_query(url, "socket_timeout=2.5"), socket_connect_timeout=None)
+    try:
+        kwargs = store._client.connection_pool.connection_kwargs  # type: ignore[attr-defined]
+        # The URL's timeout, not the store's 5 s default over it (the Sentinel client preferred it).
+        assert (kwargs["socket_timeout"], kwargs["socket_connect_timeout"]) == (2.5, None)
+    finally:
+        store.close()
+
+
+def test_wait_timeout_ms_is_checked_against_a_socket_timeout_in_the_url() -> None:
+    with pytest.raises(SingletonConfigError, match=r"wait_timeout_ms=1000 must be shorter.*0\.5s"):
+        store_from_url("redis://127.0.0.1:1/0?socket_timeout=0.5&wait_replicas=1")
+
+
+@pytest.mark.parametrize("value", [0, -1, float("nan"), float("inf"), True, "5"], ids=repr)
+def test_a_postgres_timeout_that_fails_every_call_is_refused(value: object) -> None:
+    with pytest.raises(SingletonConfigError, match="timeout") as caught:
+        store_from_url("postgresql://u:secret@127.0.0.1:1/test", timeout=value)
+    assert repr(value) in str(caught.value) and "secret" not in str(caught.value)
+
+
+@pytest.mark.parametrize("value", ["abc", "1e400", "nan", ""])
+def test_a_postgres_connect_timeout_that_fails_every_connection_is_refused(value: str) -> None:
+    url = f"postgresql://u:secret@127.0.0.1:1/test?connect_timeout={value}"
+    for check in (check_store_url, store_from_url):
+        with pytest.raises(SingletonConfigError, match="connect_timeout") as caught:
+            check(url)
+        assert repr(value) in str(caught.value) and "secret" not in str(caught.value)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "2.5", "10"])
+def test_a_postgres_connect_timeout_psycopg_reads_is_accepted(value: str) -> None:
+    """0 or less is psycopg's own default (130 s), not an error: nothing fails because of it."""
+    url = f"postgresql://127.0.0.1:1/test?connect_timeout={value}"
+    check_store_url(url)
+    store_from_url(url).close()
 
 
 # ---------------------------------------------------------------------------- SingletonQueueFullError

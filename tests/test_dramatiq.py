@@ -36,7 +36,7 @@ from singleton_tasks import (
     singleton,
     store_from_url,
 )
-from singleton_tasks.dramatiq import GENERATION, QueueFull, SingletonMiddleware
+from singleton_tasks.dramatiq import GENERATION, PayloadError, QueueFull, SingletonMiddleware
 from singleton_tasks.gate import Timings
 from singleton_tasks.outcomes import RegisterOutcome, RunSpec, RunState
 from singleton_tasks.stores import SCHEMA_VERSION
@@ -628,6 +628,20 @@ def test_key_errors_at_send_and_at_processing(
     assert env.journal.attempts == []
 
 
+def test_a_key_no_store_can_hold_fails_the_send_and_publishes_nothing(make_env: Callable[..., Env]) -> None:
+    """A lone surrogate (os.listdir() of a name that is not UTF-8): refused alike on every store."""
+    env = make_env()
+    name = "report-\udcff.csv"
+    templated = env.job("templated")  # key "{key}"
+    called = env.job("called", singleton={"key": lambda key, label, sleep=0.0: key})
+    for actor in (templated, called):
+        with pytest.raises(SingletonKeyError) as caught:
+            actor.send(name, "unstorable")
+        assert isinstance(caught.value, MiddlewareError)
+        assert actor.actor_name in str(caught.value) and repr(name) in str(caught.value)
+    assert env.probe.published == [] and env.keys() == []
+
+
 def test_singleton_actor_without_middleware_fails_at_send() -> None:
     broker = StubBroker()
 
@@ -671,9 +685,11 @@ class _CallsByThread(MemoryStore):
     def _note(self, operation: str, runs: int = 1) -> None:
         self.calls.append((operation, threading.current_thread().name, runs))
 
-    def register(self, spec: RunSpec, *, confirmed: bool = True) -> RegisterOutcome:
+    def register(
+        self, spec: RunSpec, *, payload: bytes | None = None, delay: float = 0.0, confirmed: bool = True
+    ) -> RegisterOutcome:
         self._note("register")
-        return super().register(spec, confirmed=confirmed)
+        return super().register(spec, payload=payload, delay=delay, confirmed=confirmed)
 
     def confirm(self, scope: str, key: str, run_id: str) -> bool:
         self._note("confirm")
@@ -982,3 +998,45 @@ def test_worker_refuses_to_start_on_an_incompatible_schema(store_factory: StoreF
     finally:
         store.set_schema_version_for_tests(SCHEMA_VERSION)  # type: ignore[attr-defined]
         broker.close()
+
+
+# -- the line keeps every run (docs/concepts.md#the-line) ---------------------------------------
+def test_an_argument_json_cannot_carry_fails_the_send_and_leaves_no_trace(
+    make_env: Callable[..., Env],
+) -> None:
+    """Encoded before anything is written: a typed error, nothing registered, nothing published,
+    and the next run of the key is not held up by anything."""
+    env = make_env()
+    job = env.job()
+    with pytest.raises(PayloadError) as caught:
+        job.send("K", "unencodable", sleep=object())  # type: ignore[arg-type]
+    assert isinstance(caught.value, TypeError) and isinstance(caught.value, MiddlewareError)
+    assert job.actor_name in str(caught.value)
+    assert env.probe.published == [] and env.keys() == []
+    job.send("K", "next")
+    env.start()
+    env.journal.wait(lambda: env.journal.finished("next"))
+    assert env.journal.started() == ["next"]
+
+
+def test_a_run_whose_every_copy_was_lost_is_issued_again_by_the_heartbeat_thread(
+    make_env: Callable[..., Env],
+) -> None:
+    """A purged queue: the store still has the run and its payload; once it owns the free slot and
+    nothing of it came for orphan_timeout + re-check, a worker's heartbeat thread issues it
+    again, and it runs once. Then the key admits the next run in order."""
+    env = make_env(orphan_timeout=1.0, max_retry_delay=0.2, heartbeat_interval=0.25)
+    job = env.job()
+    lost = job.send("K", "lost")
+    env.broker.flush(QUEUE)  # its only copy is gone
+    assert [w.run_id for snap in env.keys() for w in snap.waiters] == [lost.message_id]
+    sent_at = time.monotonic()
+    env.start()
+    env.journal.wait(lambda: env.journal.finished("lost"))
+    # orphan_timeout + re-check (0.2 s + jitter) + one heartbeat interval, with slack for the host
+    assert time.monotonic() - sent_at < 1.0 + 0.25 + 0.25 + 2.0
+    job.send("K", "next")
+    env.journal.wait(lambda: env.journal.finished("next"))
+    assert env.journal.started() == ["lost", "next"]
+    env.join()
+    assert env.keys() == []

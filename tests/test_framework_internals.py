@@ -3,7 +3,8 @@
 Each test names the numbered item of ``singleton_tasks/celery/_internals.py`` or
 ``singleton_tasks/dramatiq/_internals.py`` it checks; one fails when a Celery or Dramatiq
 upgrade changes that internal, before a user's task silently stops being a singleton. The last
-checks the redis-py internals of ``singleton_tasks/stores/_redis_call.py``.
+check the redis-py internals of ``singleton_tasks/stores/_redis_call.py`` and the Sentinel store,
+and the exit of ``multiprocessing`` and billiard children (``runtime._at_child_exit``).
 """
 
 from __future__ import annotations
@@ -11,9 +12,12 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import multiprocessing
+import os
 import threading
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import dramatiq
@@ -396,3 +400,55 @@ def test_redis_py_sentinel_asks_its_list_in_order_and_its_pool_knows_the_primary
         assert "inuse_connections" in inspect.signature(pool.disconnect).parameters
     finally:
         sentinel.close()
+
+
+# -- the standard library's multiprocessing, with billiard (singleton_tasks/runtime.py) ----------------
+def _exit_hook_writes(path: str) -> None:
+    from singleton_tasks import runtime
+
+    runtime._at_child_exit(lambda: Path(path).write_text(str(os.getpid())))
+
+
+@pytest.mark.parametrize("make", ["multiprocessing", "billiard"])
+def test_stdlib_a_childs_exit_runs_the_finalizers_it_registered_before_os_exit(
+    make: str, tmp_path: Path
+) -> None:
+    """``runtime._at_child_exit``: a fork child of ``multiprocessing`` or billiard ends with
+    ``os._exit`` (no atexit); its ``_bootstrap`` first runs ``multiprocessing.util._exit_function``,
+    which calls the finalizers with an exit priority that the child registered."""
+    import billiard
+
+    path = tmp_path / "exited"
+    context: Any = multiprocessing.get_context("fork") if make == "multiprocessing" else billiard
+    child = context.Process(target=_exit_hook_writes, args=(str(path),))
+    child.start()
+    child.join(30)
+    assert child.exitcode == 0 and path.read_text() == str(child.pid)
+
+
+def test_billiard_a_prefork_pool_process_sends_worker_process_shutdown_before_it_exits(
+    tmp_path: Path,
+) -> None:
+    """A billiard pool process ends with ``os._exit`` inside its target, so no finalizer runs; the
+    one hook left is the pool's ``on_process_exit``, which Celery's prefork pool makes its
+    ``worker_process_shutdown`` signal (the adapter sends pending confirms there)."""
+    from billiard.pool import Pool
+    from celery import signals
+    from celery.concurrency.prefork import process_destructor
+
+    path = tmp_path / "shutdown"
+
+    def record(pid: int = 0, **_: Any) -> None:
+        path.write_text(f"{pid} {os.getpid()}")
+
+    signals.worker_process_shutdown.connect(record, weak=False)
+    try:
+        pool = Pool(1, on_process_exit=process_destructor, maxtasksperchild=1)
+        try:
+            child = pool.apply_async(os.getpid).get(timeout=30)
+        finally:
+            pool.close()
+            pool.join()
+    finally:
+        signals.worker_process_shutdown.disconnect(record)
+    assert path.read_text() == f"{child} {child}"  # sent by the pool process itself

@@ -19,12 +19,14 @@ import redis
 from click.testing import CliRunner
 from conftest import REDIS_URL
 from loopback_cluster import LoopbackCluster
+from redis_servers import as_written_by_version_3
 from services import require_server
 
 from singleton_tasks import SingletonConfigError, StoreUnavailableError, store_from_url
 from singleton_tasks.cli import cli
 from singleton_tasks.outcomes import Decision, HolderRef, RunSpec
 from singleton_tasks.stores import check_store_url
+from singleton_tasks.stores.redis import _hash_tag
 from singleton_tasks.stores.redis_cluster import RedisClusterStore
 
 SCOPE = "cluster.task"
@@ -214,6 +216,55 @@ def test_migrate_from_version_2_indexes_the_busy_keys_of_every_primary(
 
 
 @cluster
+def test_tick_due_finds_the_due_keys_of_every_primary(
+    store: RedisClusterStore, redis_cluster: LoopbackCluster
+) -> None:
+    """Each key is listed as due in its own slot's due index; tick_due reads every slot's and
+    ticks each due key on its own primary."""
+    keys = keys_on_distinct_primaries(store, redis_cluster)
+    for key in keys:
+        store.claim(RunSpec(SCOPE, key, f"h-{key}", lease=0.1, orphan_timeout=0.1), 0, None)
+        waiter = RunSpec(SCOPE, key, f"w-{key}", orphan_timeout=0.1, recheck=0.0)
+        store.register(waiter, payload=b"w")  # due when unseen for its orphan timeout
+        tag = _hash_tag(SCOPE, key)
+        assert store._client.zscore(store._due_index_key(tag), tag) is not None
+    time.sleep(0.3)
+    done = store.tick_due()
+    assert sorted((d.key, d.evicted, [(w.run_id, w.payload) for w in d.wakes]) for d in done) == sorted(
+        (key, (f"h-{key}",), [(f"w-{key}", b"w")]) for key in keys
+    )
+    assert store.tick_due() == []  # issued again only after its orphan timeout
+    for key in keys:
+        assert store.release(SCOPE, key, f"w-{key}", token=None).released
+    assert list(store._client.scan_iter(match=f"{store.namespace}:{{*}}:due", count=1000)) == []
+
+
+@cluster
+def test_migrate_from_version_3_on_every_primary(
+    store: RedisClusterStore, redis_cluster: LoopbackCluster
+) -> None:
+    """`migrate` brings the busy keys of every primary to version 4, each in its own slot."""
+    busy = keys_on_distinct_primaries(store, redis_cluster)
+    for key in busy:
+        assert store.claim(RunSpec(SCOPE, key, f"holder-{key}"), 0, None).decision is Decision.ADMITTED
+        store.register(RunSpec(SCOPE, key, f"queued-{key}"), payload=b"q", confirmed=False)
+    as_written_by_version_3(store)
+    store.set_schema_version_for_tests(3)
+    store.migrate()
+    store.check_schema()
+    client = store._client
+    for key in busy:
+        tag, prefix = _hash_tag(SCOPE, key), store._prefix(SCOPE, key)
+        assert client.zscore(store._due_index_key(tag), tag) == 0.0
+        assert client.zrange(prefix + b"unconfirmed", 0, -1) == [f"queued-{key}".encode()]
+        assert not client.exists(prefix + b"overdue")
+        run = prefix + b"run:" + f"queued-{key}".encode()
+        assert client.hexists(run, "reissue_at") and not client.hexists(run, "passed_over_at")
+    assert store.tick_due() == []  # every key ticked: its due_at recomputed, nothing to do yet
+    assert all(client.zscore(store._due_index_key(_hash_tag(SCOPE, k)), _hash_tag(SCOPE, k)) for k in busy)
+
+
+@cluster
 def test_a_phantom_holder_is_shown_evicted_and_released_on_the_cluster(
     store: RedisClusterStore, redis_cluster: LoopbackCluster
 ) -> None:
@@ -285,6 +336,26 @@ def test_scripts_are_loaded_again_where_a_primary_lost_them(redis_cluster: Loopb
         assert store.release(SCOPE, "k", "r", token=None).released
     finally:
         store.close()
+
+
+@cluster
+def test_retention_in_the_cluster_url(redis_cluster: LoopbackCluster) -> None:
+    """The URL's other options still reach the client (tests/test_config.py checks the parse)."""
+    made = store_from_url(
+        redis_cluster.url + "?retention=7&client_name=kept", namespace=f"c{uuid.uuid4().hex[:12]}"
+    )
+    try:
+        assert made.retention == 7.0
+        made.migrate()
+        made.register(RunSpec(SCOPE, "k", "r1"))
+        assert [snap.key for snap in made.snapshot()] == ["k"]
+        primary = made._servers()[0]  # type: ignore[attr-defined]
+        assert primary.client_getname() in ("kept", b"kept")
+    finally:
+        made.release(SCOPE, "k", "r1", token=None)
+        for key in list(made._client.scan_iter(match=f"{made.namespace}:*", count=1000)):  # type: ignore[attr-defined]
+            made._client.delete(key)  # type: ignore[attr-defined]
+        made.close()
 
 
 # -- bad input (no cluster needed) ----------------------------------------------------------------

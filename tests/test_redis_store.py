@@ -13,12 +13,14 @@ from typing import Any
 
 import pytest
 from conftest import REDIS_URL, require_server
+from redis_servers import as_written_by_version_3
 
 from singleton_tasks.errors import SingletonConfigError, StoreUnavailableError
-from singleton_tasks.gate import Timings
+from singleton_tasks.gate import Timings, _optional_float
 from singleton_tasks.outcomes import (
     ClaimOutcome,
     Decision,
+    DueOutcome,
     HolderRef,
     Registered,
     ReleaseOutcome,
@@ -68,9 +70,12 @@ def _redis_state(
         pipe.hgetall(prefix + b"meta")
         pipe.zrange(prefix + b"holders", 0, -1)
         pipe.zrange(prefix + b"waiters", 0, -1)
-    replies = pipe.execute()
-    metas = replies[0::3]
-    run_ids = [holders + waiters for holders, waiters in zip(replies[1::3], replies[2::3], strict=True)]
+        pipe.zrange(prefix + b"unconfirmed", 0, -1, withscores=True)
+    pipe.zrange(store._due_index_key(b""), 0, -1, withscores=True)
+    *replies, due_index = pipe.execute()
+    metas = replies[0::4]
+    run_ids = [holders + waiters for holders, waiters in zip(replies[1::4], replies[2::4], strict=True)]
+    unconfirmed = replies[3::4]
     pipe = client.pipeline(transaction=True)
     for prefix, ids in zip(prefixes, run_ids, strict=True):
         for run_id in ids:
@@ -80,16 +85,37 @@ def _redis_state(
     # none left over (state would grow with every key ever used).
     busy = {prefix[len(store._ns_colon) : -1] for prefix, ids in zip(prefixes, run_ids, strict=True) if ids}
     assert client.smembers(store._index_key(b"")) == busy, "the busy index is out of step"
+    # The due index lists exactly the keys with a due_at, by it.
+    due = {
+        prefix[len(store._ns_colon) : -1]: float(meta[b"due_at"])
+        for prefix, meta in zip(prefixes, metas, strict=True)
+        if meta.get(b"due_at")
+    }
+    assert dict(due_index) == due, "the due index is out of step"
     state: dict[tuple[str, str], Any] = {}
-    for (scope, key), prefix, meta, ids in zip(keys, prefixes, metas, run_ids, strict=True):
+    for (scope, key), prefix, meta, ids, listed in zip(
+        keys, prefixes, metas, run_ids, unconfirmed, strict=True
+    ):
         runs = {run_id.decode("utf-8", "surrogatepass"): _run_record(run_id, next(fields)) for run_id in ids}
+        # The unconfirmed index lists exactly the unconfirmed waiters, by created_at.
+        assert {
+            _text(r.run_id): r.created_at
+            for r in runs.values()
+            if not r.confirmed and r.state is not RunState.HOLDING
+        } == dict(listed)
         if not runs:
             continue  # an idle key: forgotten after retention, whenever the store deletes it
         assert (meta[b"scope"], meta[b"key"]) == (_text(scope), _text(key))
         if strays:
             hashes = list(client.scan_iter(match=prefix + b"run:*", count=1000))
             assert len(hashes) == len(runs), "a run hash outside the holders/waiters indexes"
-        state[(scope, key)] = ((int(meta[b"token"]), int(meta[b"seq"]), int(meta[b"limit"])), runs)
+        counters = (
+            int(meta[b"token"]),
+            int(meta[b"seq"]),
+            int(meta[b"limit"]),
+            _optional_float(meta.get(b"due_at")),
+        )
+        state[(scope, key)] = (counters, runs)
     return state
 
 
@@ -98,14 +124,17 @@ def _memory_state(store: MemoryStore) -> dict[tuple[str, str], Any]:
     for (ns, scope, key), data in store._server.keys.items():
         if ns == store.namespace and data.meta is not None and data.runs:
             meta = data.meta
-            state[(scope, key)] = ((meta.token, meta.seq, meta.limit), dict(data.runs))
+            state[(scope, key)] = ((meta.token, meta.seq, meta.limit, meta.due_at), dict(data.runs))
     return state
 
 
 def _norm(outcome: Any) -> Any:
-    """Eviction order is the stores' iteration order of holders: compare it as a set."""
-    if isinstance(outcome, (ClaimOutcome, ReleaseOutcome)):
+    """Eviction order is the stores' iteration order of holders: compare it as a set; due keys
+    with the same due_at come in the order of their (scope, key) or of their hash tags."""
+    if isinstance(outcome, (ClaimOutcome, ReleaseOutcome, DueOutcome)):
         return (type(outcome), {**outcome.__dict__, "evicted": sorted(outcome.evicted)})
+    if isinstance(outcome, list) and all(isinstance(o, DueOutcome) for o in outcome):
+        return sorted((_norm(o) for o in outcome), key=lambda n: (n[1]["scope"], n[1]["key"]))
     return outcome
 
 
@@ -165,6 +194,8 @@ class _Differential:
                 "release",
                 "operator_release",
                 "snapshot",
+                "tick_due",
+                "tick_due",
             ]
         )
         results = []
@@ -172,13 +203,21 @@ class _Differential:
         for store in (self.memory, self.redis):
             rng.setstate(saved)  # both stores see the same random choices
             if op == "register":
-                results.append(at(store, now).register(self.spec(key, run), confirmed=rng.random() < 0.6))
+                payload = rng.choice([None, b"", b"\x00\xff registered " + run.encode()])
+                results.append(
+                    at(store, now).register(
+                        self.spec(key, run),
+                        payload=payload,
+                        delay=rng.choice([0.0, 0.0, 2.5]),
+                        confirmed=rng.random() < 0.6,
+                    )
+                )
             elif op == "confirm":
                 results.append(at(store, now).confirm(*key, run))
             elif op == "unregister":
                 results.append(at(store, now).unregister(*key, run))
             elif op == "park":
-                results.append(at(store, now).park(*key, run, b"\x00\xff parked " + run.encode()))
+                results.append(at(store, now).park(*key, run))
             elif op == "claim":
                 generation = rng.choice([*sorted(self.generations[run])[-3:], rng.randrange(0, 12)])
                 payload = rng.choice([None, b"", b"\x00\xff payload " + run.encode()])
@@ -198,6 +237,8 @@ class _Differential:
                 results.append(at(store, now).release(*key, run, token=token, generation=generation))
             elif op == "operator_release":
                 results.append(at(store, now).operator_release(run))
+            elif op == "tick_due":
+                results.append(at(store, now).tick_due())
             else:
                 results.append(at(store, now).snapshot())
         memory, redis_result = results
@@ -212,6 +253,8 @@ class _Differential:
             if outcome.token is not None:
                 self.tokens[run].add(outcome.token)
         wakes = outcome if isinstance(outcome, tuple) else getattr(outcome, "wakes", ())  # park: the wakes
+        if isinstance(outcome, list):  # tick_due
+            wakes = tuple(wake for due in outcome if isinstance(due, DueOutcome) for wake in due.wakes)
         for wake in wakes:
             self.generations[wake.run_id].add(wake.generation)
 
@@ -248,6 +291,19 @@ def _coverage(op: str, outcome: Any) -> set[str]:
         seen.add(outcome.status.value)
     elif op == "heartbeat" and outcome.lost:
         seen.add("heartbeat-lost")
+    elif op == "park" and outcome:
+        seen.add("park-wakes")
+    elif op == "tick_due":
+        seen |= {
+            name
+            for due in outcome
+            for name, hit in [
+                ("tick-wakes", due.wakes),
+                ("tick-evicted", due.evicted),
+                ("tick-removed", due.removed),
+            ]
+            if hit
+        }
     elif op == "suspend" and outcome:
         seen.add("suspended")
     return seen
@@ -283,12 +339,17 @@ def test_same_answers_and_state_as_memory_store(namespace: str, functions: bool)
         "heartbeat-lost",
         "suspended",
         "claim-removed",
+        "park-wakes",
+        "tick-wakes",
+        "tick-evicted",
+        "tick-removed",
     }
     assert seen >= expected, f"the sequences missed {expected - seen}"
 
 
 def _on_both(namespace: str, steps: list[Any], timings: Timings | None = None) -> list[Any]:
-    """Run the same steps on a memory and a Redis store; their answers must be equal."""
+    """Run the same steps on a memory and a Redis store (keys of scope "s"); their answers and
+    the records of key "k" (due_at among them) must be equal."""
     memory = MemoryStore(
         f"memory://both-{uuid.uuid4().hex}", namespace=namespace, timings=timings, clock=ManualClock()
     )
@@ -297,6 +358,7 @@ def _on_both(namespace: str, steps: list[Any], timings: Timings | None = None) -
     for i, step in enumerate(steps):
         expected, got = step(memory), step(redis_store)
         assert _norm(got) == _norm(expected), f"step {i}"
+        assert _redis_state(redis_store, [("s", "k")]) == _memory_state(memory), f"step {i}"
         answers.append(expected)
     redis_store.close()
     return answers
@@ -321,23 +383,40 @@ def test_boundaries_match_the_memory_store(namespace: str) -> None:
             admitted(a, 0, 0.0),
             admitted(a, 0, 10.0),  # the lease ends exactly now: lapsed, a takeover
             lambda st: at(st, 11.0).heartbeat([HolderRef("s", "k", "a", tokens["a"])]),
-            lambda st: at(st, 12.0).register(p),
-            lambda st: at(st, 18.0).claim(q, 0, None),  # p seen orphan + recheck ago: not passed over
-            lambda st: at(st, 18.0).release("s", "k", "a", token=tokens["a"]),
-            admitted(q, 0, 18.5),  # now p is passed over: q takes the slot (q's copy 0 is still live)
-            lambda st: at(st, 18.5).claim(RunSpec("s", "k", "a"), 0, None),  # settled generation 0: new claim
-            lambda st: at(st, 19.0).release("s", "k", "q", token=tokens["q"]),
-            lambda st: at(st, 38.0).claim(q, 0, None),  # p passed over exactly retention ago: kept
-            lambda st: at(st, 38.5).claim(q, 0, None),  # now p is removed
+            lambda st: at(st, 12.0).register(p, payload=b"p"),  # issued again from 18 if it owns a slot
+            lambda st: at(st, 18.0).claim(q, 0, None),  # behind p: p owns no slot while a holds it
+            lambda st: at(st, 18.0).release(
+                "s", "k", "a", token=tokens["a"]
+            ),  # p's reissue_at is now: issued
+            lambda st: at(st, 24.0).tick_due(),  # p's copy is due again at 24: not before now
+            lambda st: at(st, 26.0).tick_due(),  # now it is issued again: due at 32
+            lambda st: at(st, 32.0).claim(q, 0, None),  # p seen exactly retention ago: issued, kept
+            lambda st: at(st, 38.0).tick_due(),  # due exactly now: not listed
+            lambda st: at(st, 38.0).claim(q, 0, None),  # now p is abandoned: q is first in line
         ],
         timings=Timings(retention=20.0),
     )
     assert [answer.decision for answer in answers[:2]] == [Decision.ADMITTED, Decision.ADMITTED]
     assert answers[1].takeover
     assert answers[4].decision is Decision.GATED and answers[4].position == 2
-    assert answers[6].decision is Decision.ADMITTED
-    assert answers[7].decision is Decision.GATED
-    assert answers[9].removed == () and answers[10].removed == ("p",)
+    assert [w.run_id for w in answers[5].wakes] == ["p"] and answers[5].wakes[0].payload == b"p"
+    assert answers[6] == [] and [w.run_id for d in answers[7] for w in d.wakes] == ["p"]
+    assert [w.run_id for w in answers[8].wakes] == ["p"] and answers[8].removed == ()
+    assert answers[9] == []
+    assert answers[10].removed == ("p",) and answers[10].position == 1
+    answers = _on_both(
+        namespace + "e",
+        [
+            admitted(a, 0, 0.0),  # evicted after 10 + 5
+            lambda st: at(st, 1.0).register(p, payload=b"p"),
+            lambda st: at(st, 7.5).tick_due(),  # due at 7 by p's registration: recomputed to 15
+            lambda st: at(st, 15.0).tick_due(),  # not before now
+            lambda st: at(st, 15.5).tick_due(),  # a evicted, p issued
+        ],
+        timings=Timings(retention=20.0),
+    )
+    assert answers[2] == [] and answers[3] == []  # the state compared says when the key is due
+    assert [(d.evicted, [w.run_id for w in d.wakes]) for d in answers[4]] == [(("a",), ["p"])]
     answers = _on_both(
         namespace + "b",
         [
@@ -650,4 +729,44 @@ def test_migrate_from_version_2_indexes_the_busy_keys(namespace: str) -> None:
     assert [s.key for s in store.snapshot()] == ["held", "queued"]
     store.migrate()  # again: nothing changes
     assert [s.key for s in store.snapshot()] == ["held", "queued"]
+    store.close()
+
+
+def test_migrate_from_version_3_keeps_every_run_and_makes_the_busy_keys_due(namespace: str) -> None:
+    """Version 4 replaces each run's passed_over_at by reissue_at (same value), indexes the
+    unconfirmed waiters instead of the overdue ones, and lists every busy key as due at once:
+    the first tick recomputes its due_at by the new rules."""
+    from singleton_tasks.errors import SchemaVersionError
+
+    store = RedisStore(REDIS_URL, namespace=namespace, clock=ManualClock(1000.0))
+    store.migrate()
+    keys = [("s", "held"), ("s", "queued"), ("s", "idle")]
+    at(store, 1000.0).claim(RunSpec("s", "held", "h"), 0, None)
+    at(store, 1001.0).claim(RunSpec("s", "held", "w"), 0, b"w")
+    at(store, 1002.0).register(RunSpec("s", "queued", "q"), payload=b"q", confirmed=False)
+    at(store, 1003.0).register(RunSpec("s", "queued", "c"), payload=b"c")
+    idle = at(store, 1003.0).claim(RunSpec("s", "idle", "i"), 0, None)
+    assert at(store, 1003.0).release("s", "idle", "i", token=idle.token).released
+    before = {key: runs for key, (_counters, runs) in _redis_state(store, keys).items()}
+    as_written_by_version_3(store)
+    prefix = store._prefix("s", "queued")
+    assert store._client.zrange(prefix + b"overdue", 0, -1) == [b"q", b"c"]
+    store.set_schema_version_for_tests(3)
+    with pytest.raises(SchemaVersionError, match="migrate"):
+        store.check_schema()
+    for _ in range(2):  # running it again changes nothing
+        store.migrate()
+        store.check_schema()
+        assert not store._client.exists(prefix + b"overdue")
+        state = _redis_state(store, keys)  # checks the unconfirmed and the due index too
+        assert {key: runs for key, (_counters, runs) in state.items()} == before
+        assert {key: counters[3] for key, (counters, _runs) in state.items()} == {
+            ("s", "held"): 0.0,
+            ("s", "queued"): 0.0,
+        }
+    assert store._client.zrange(prefix + b"unconfirmed", 0, -1) == [b"q"]
+    assert at(store, 1004.0).tick_due() == []  # both keys ticked: nothing to do yet
+    assert store._client.zrangebyscore(store._due_index_key(b""), "-inf", 1004.0) == []
+    state = _redis_state(store, keys)
+    assert all(counters[3] is not None and counters[3] > 1004.0 for counters, _runs in state.values())
     store.close()

@@ -197,12 +197,34 @@ def test_every_operation_is_one_call(store: Store, redis_url: str, call: str) ->
         lambda: store.release("s", "k", "r1", token=token),
         lambda: store.register(RunSpec("s", "k", "r2")),
         lambda: store.unregister("s", "k", "r2"),
+        lambda: store.register(RunSpec("s", "k", "r3"), payload=b"p", delay=5.0, confirmed=False),
+        lambda: store.park("s", "k", "r3"),
         lambda: store.snapshot(scope="s", key="k"),
     ]
     for number, op in enumerate(ops):
         outcome, sent, deltas = commands_sent(redis_url, op)
         assert_one_call(call, sent, deltas, what=f"operation {number}")
         token = getattr(outcome, "token", None) or token
+
+
+def test_tick_due_reads_the_due_index_then_calls_each_due_key_once(
+    store: Store, redis_url: str, call: str
+) -> None:
+    """A heartbeat's tick: the server's clock, one read of the namespace's due index, then one
+    call per due key (which reads the key's scope and key itself)."""
+    done, sent, _ = commands_sent(redis_url, lambda: store.tick_due())
+    assert done == [] and verbs(sent) == ["TIME", "ZRANGEBYSCORE"], sent
+    spec = RunSpec("s", "due", "r1", lease=0.1, orphan_timeout=0.1)
+    token = store.claim(spec, 0, None).token
+    # Due when r2's registration is unseen for its orphan timeout (plus a re-check of 0).
+    store.register(RunSpec("s", "due", "r2", orphan_timeout=0.1, recheck=0.0), payload=b"p")
+    time.sleep(0.3)
+    done, sent, _ = commands_sent(redis_url, lambda: store.tick_due())
+    assert [(d.scope, d.key, d.evicted, [w.run_id for w in d.wakes]) for d in done] == [
+        ("s", "due", ("r1",), ["r2"])
+    ]
+    assert verbs(sent) == ["TIME", "ZRANGEBYSCORE", call], sent
+    assert not store.release("s", "due", "r1", token=token).released
 
 
 def test_a_flushed_server_gets_its_scripts_again_and_the_call_runs_once(

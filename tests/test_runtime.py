@@ -229,3 +229,30 @@ def test_a_discarded_copy_never_frees_a_slot_another_copy_took_meanwhile() -> No
     assert [holder.run_id for holder in snap.holders] == ["w"]  # still holds its slot
     assert store.claim(later, 0, None).decision is Decision.GATED
     gatekeeper.close()
+
+
+def test_the_heartbeat_threads_due_work_publishes_reissues_and_reports_abandoned_runs(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Gatekeeper.tick_due (the heartbeat thread's step): the wakes of keys nobody calls go to the
+    adapter's publisher; an abandoned waiter is logged at error with its task, key and run id."""
+    from singleton_tasks.gate import Timings
+    from singleton_tasks.outcomes import Wake
+
+    clock = ManualClock()
+    store = MemoryStore(f"memory://{uuid.uuid4().hex}", clock=clock, timings=Timings(retention=500.0))
+    gatekeeper = Gatekeeper(store, orphan_timeout=100.0, max_retry_delay=9.0, retry_jitter=1.0)
+    published: list[Wake] = []
+    gatekeeper.publish_wakes = published.extend
+    spec = RunSpec("tasks.sync", "store:A", "r1", orphan_timeout=100.0, recheck=10.0)
+    store.register(spec, payload=b"the message")
+    assert gatekeeper.tick_due() == 0 and published == []
+    clock.advance(110.5)
+    assert gatekeeper.tick_due() == 1
+    assert [(w.run_id, w.payload) for w in published] == [("r1", b"the message")]
+    clock.advance(400.0)  # issued again and again, never seen: past the store's retention
+    with caplog.at_level(logging.ERROR, logger="singleton_tasks"):
+        assert gatekeeper.tick_due() == 1
+    assert len(published) == 1 and store.snapshot() == []
+    [record] = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert all(text in record.getMessage() for text in ("tasks.sync", "r1", "'store:A'", "abandoned"))

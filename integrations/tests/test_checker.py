@@ -9,7 +9,7 @@ from rich.console import Console
 
 from integrations.checker import CheckResult, check, lost_to_broker
 from integrations.runlog import Body, Delivery, Enqueue, Event, RunData, Scenario
-from singleton_tasks.outcomes import KeySnapshot, RunState, WaiterView
+from singleton_tasks.outcomes import HolderView, KeySnapshot, RunState, WaiterView
 
 T0 = 1000.0
 
@@ -146,41 +146,101 @@ def test_killed_body_ends_at_the_kill() -> None:
     assert result.dangling and result.overlaps
 
 
-def test_lost_run_fails_unless_purged() -> None:
+def purge(at: float, *run_ids: str) -> Event:
+    return Event("purge", "", T0 + at, json.dumps(list(run_ids)))
+
+
+def test_a_purged_waiter_must_run() -> None:
+    """The store issues a purged waiter again: a purge excuses nothing that had not started."""
     d = data([enq("a", 1), enq("b", 2)], [body("a", 1, 2, 1)])
     assert check(d, [], now=T0 + 60).lost == ["b"]
-    purge = Event("purge", "", T0 + 3, json.dumps(["b"]))
-    result = check(data([enq("a", 1), enq("b", 2)], [body("a", 1, 2, 1)], [purge]), [], now=T0 + 60)
-    assert result.ok and result.purged == ["b"]
+    purged = check(data([enq("a", 1), enq("b", 2)], [body("a", 1, 2, 1)], [purge(3, "b")]), [], now=T0 + 60)
+    assert purged.lost == ["b"] and not purged.purged
+    ran = check(
+        data([enq("a", 1), enq("b", 2)], [body("a", 1, 2, 1), body("b", 9, 10, 2)], [purge(3, "b")]),
+        [],
+        now=T0 + 60,
+    )
+    assert ran.ok, ran.failures()
+    assert ran.purged_ran == ["b"] and "purged while waiting, ran anyway" in render(ran)
 
 
-def test_purged_waiter_is_lost_by_the_broker_once_passed_over_not_a_stuck_key() -> None:
-    purge = Event("purge", "", T0 + 3, json.dumps(["b"]))
-    d = data([enq("a", 1), enq("b", 2)], [body("a", 1, 2, 1)], [purge])
-
-    def left(passed_over_at: float | None) -> KeySnapshot:
-        waiter = WaiterView("b", 1, T0, RunState.GATED, True, T0 + 2, passed_over_at)
-        return KeySnapshot("mutex", "K", 1, 1, waiters=(waiter,))
-
-    result = check(d, [left(T0 + 10)], now=T0 + 60)
+def test_a_run_purged_while_holding_is_excused() -> None:
+    """A holder whose message is purged is evicted, never issued again: its body ran (or was killed)."""
+    bodies = [body("a", 1, None, 1), body("b", 9, 10, 2)]
+    d = data([enq("a", 1), enq("b", 2)], bodies, [kill(2), purge(3, "a")])
+    result = check(d, [], now=T0 + 60)
     assert result.ok, result.failures()
-    assert result.purged == ["b"] and not result.stuck_keys
-    assert "lost by the broker (purged on purpose)" in render(result)
-    # Still in line (never passed over, or not yet): the key is stuck.
-    assert check(d, [left(None)], now=T0 + 60).stuck_keys
-    assert check(d, [left(T0 + 90)], now=T0 + 60).stuck_keys
+    assert result.purged == ["a"] and "purged while holding" in render(result)
+    # Purged before its body started: a waiter then, so it must run.
+    late = data([enq("a", 1)], [body("a", 4, None, 1)], [purge(3, "a"), kill(5)])
+    assert check(late, [], now=T0 + 60).lost == ["a"]
 
 
-def test_fifo_inversion_fails_unless_passed_over_after_a_crash() -> None:
+def test_purged_runs_left_in_the_store_are_stuck_keys_unless_lapsed_holders() -> None:
+    d = data([enq("a", 1), enq("b", 2)], [body("a", 1, None, 1)], [kill(2), purge(3, "a", "b")])
+
+    def left(*, lease_until: float, waiting: bool) -> KeySnapshot:
+        holder = HolderView("a", 1, T0 + 1, T0 + 1, T0 + lease_until, True)
+        waiters = (WaiterView("b", 1, T0, RunState.GATED, True, T0 + 2, T0 + 6),) if waiting else ()
+        return KeySnapshot("mutex", "K", 1, 1, (holder,), waiters)
+
+    # The purged holder's lease lapsed and nothing waits: evicted at the key's next operation.
+    assert not check(d, [left(lease_until=4, waiting=False)], now=T0 + 60).stuck_keys
+    # Its lease is live: the key is held.
+    assert check(d, [left(lease_until=90, waiting=False)], now=T0 + 60).stuck_keys
+    # A purged waiter left in line is stuck (and lost): it is issued again, it must run.
+    waited = check(d, [left(lease_until=4, waiting=True)], now=T0 + 60)
+    assert waited.stuck_keys and waited.lost == ["b"]
+
+
+def test_an_abandoned_run_is_excused_an_unconfirmed_one_is_not() -> None:
+    """The store removes an abandoned waiter (retention): it may never run. A registration dropped
+    unconfirmed was published all the same: its message registers it again at first sight."""
+    enqueues = [enq("a", 1), enq("b", 2)]
+    abandoned = check(
+        data(enqueues, [body("a", 1, 2, 1)], [Event("abandoned", "w0", T0 + 5, json.dumps(["b"]))]),
+        [],
+        now=T0 + 60,
+    )
+    assert abandoned.ok and abandoned.abandoned == ["b"]
+    assert "abandoned by the store" in render(abandoned)
+    unconfirmed = check(
+        data(enqueues, [body("a", 1, 2, 1)], [Event("unconfirmed", "", T0 + 5, json.dumps(["b"]))]),
+        [],
+        now=T0 + 60,
+    )
+    assert unconfirmed.lost == ["b"]
+
+
+def test_fifo_inversion_fails_after_any_crash() -> None:
+    """No crash reorders the line: a kill, a SIGTERM, a store outage or a purge excuses nothing,
+    however long the later run waited."""
     enqueues = [enq("a", 1), enq("b", 2)]
     bodies = [body("b", 25, 26, 1), body("a", 30, 31, 2)]  # b went first 25 s after a's enqueue
     assert check(data(enqueues, bodies), [], now=T0 + 60).fifo_inversions
-    kill = Event("kill", "w9", T0 + 0.5, "")
-    excused = check(data(enqueues, bodies, [kill]), [], now=T0 + 60)
-    assert excused.ok and excused.fifo_excused == 1
-    # A crash, but b started before a could have been passed over (orphan_timeout 20 s).
-    early = [body("b", 1, 2, 1), body("a", 3, 4, 2)]
-    assert check(data(enqueues, early, [kill]), [], now=T0 + 60).fifo_inversions
+    for kind in ("kill", "term", "store_down", "purge"):
+        detail = json.dumps(["a"]) if kind == "purge" else ""
+        crash = Event(kind, "w9", T0 + 0.5, detail)
+        result = check(data(enqueues, bodies, [crash]), [], now=T0 + 60)
+        assert result.fifo_inversions and result.fifo_excused == 0, kind
+
+
+def test_fifo_inversion_is_excused_only_for_a_run_dropped_from_the_line() -> None:
+    """A run the store dropped (abandoned, or its registration unconfirmed past the grace) comes
+    back at first sight, at the back of the line: a later run may go first after the drop."""
+    enqueues = [enq("a", 1), enq("b", 2), enq("c", 3)]
+    bodies = [body("b", 25, 26, 1), body("c", 27, 28, 2), body("a", 30, 31, 3)]
+    for kind in ("abandoned", "unconfirmed"):
+        dropped = Event(kind, "", T0 + 12, json.dumps(["a"]))
+        excused = check(data(enqueues, bodies, [dropped]), [], now=T0 + 60)
+        assert excused.ok and excused.fifo_excused == 2, (kind, excused.failures())
+    # Dropped after b started: b went first while a was still in line.
+    late = Event("unconfirmed", "", T0 + 26.5, json.dumps(["a"]))
+    assert check(data(enqueues, bodies, [late]), [], now=T0 + 60).fifo_inversions
+    # The dropped run is the later one: the earlier run's place was never taken.
+    other = Event("unconfirmed", "", T0 + 12, json.dumps(["b"]))
+    assert check(data(enqueues, bodies, [other]), [], now=T0 + 60).fifo_inversions
 
 
 def test_token_order() -> None:
@@ -207,103 +267,114 @@ def test_singleton_body_without_token_fails() -> None:
     assert check(d, [], now=T0 + 60).without_slot
 
 
+def retried(run_id: str, start: float, token: int = 1, *, key: str = "K") -> Body:
+    """A holder's body that raised: its retry was published as it ended (0.1 s later)."""
+    return body(run_id, start, start + 0.1, token, key=key, outcome="raised")
+
+
 def test_broker_loss_is_excused_only_where_declared() -> None:
-    waiter = WaiterView("b", 1, T0, RunState.PENDING, True)
-    snap = KeySnapshot("mutex", "K", 1, 1, (), (waiter,))
+    """A holder's retry in transit at a kill: lost for good (the store never issues a holder again),
+    excused only on a broker that loses a popped message."""
+    holder = HolderView("b", 2, T0 + 0.7, T0 + 0.8, T0 + 4, False)
+    snap = KeySnapshot("mutex", "K", 1, 2, (holder,), ())
     enqueues = [enq("a", 1, at=T0 + 0.5), enq("b", 2, at=T0 + 0.6)]
-    strict = check(data(enqueues, [body("a", 1, 2, 1)], [kill(1)]), [snap], now=T0 + 60)
+    bodies = [body("a", 0.55, 0.65, 1), retried("b", 0.7, 2)]
+    strict = check(data(enqueues, bodies, [kill(1)]), [snap], now=T0 + 60)
     assert strict.lost == ["b"] and strict.stuck_keys
-    lossy = check(
-        data(enqueues, [body("a", 1, 2, 1)], [kill(1)], broker_loss_per_kill=1), [snap], now=T0 + 60
-    )
+    lossy = check(data(enqueues, bodies, [kill(1)], broker_loss_per_kill=1), [snap], now=T0 + 60)
     assert lossy.ok and lossy.broker_lost == ["b"] and lossy.broker_loss_cap == 1
     # Runs logged before the cap existed said "broker_loses_on_kill": one per kill.
-    legacy = check(
-        data(enqueues, [body("a", 1, 2, 1)], [kill(1)], broker_loses_on_kill=True), [snap], now=T0 + 60
-    )
+    legacy = check(data(enqueues, bodies, [kill(1)], broker_loses_on_kill=True), [snap], now=T0 + 60)
     assert legacy.ok and legacy.broker_lost == ["b"]
 
 
+def test_a_lost_waiter_message_is_never_a_broker_loss() -> None:
+    """The store issues a waiter again from its payload: a first message, a deferred copy or a wake
+    lost at a kill is not excused, whatever the kills."""
+    enqueues = [enq("a", 1, at=T0 + 0.5)]
+    kills = [kill(1), kill(2, "w1"), kill(3, "w2")]
+    never = check(data(enqueues, [], kills, broker_loss_per_kill=1), [], now=T0 + 60)
+    assert never.lost == ["a"] and not never.broker_lost
+    deferred = [received("a", 0.6), delivery("a", 0.7, "IGNORED: deferred 0.30s (generation 1)")]
+    gated = check(data(enqueues, [], kills, deferred, broker_loss_per_kill=1), [], now=T0 + 60)
+    assert gated.lost == ["a"] and not gated.broker_lost
+    dropped = [*deferred, received("a", 0.75), delivery("a", 1.1, "IGNORED: stale copy dropped")]
+    woken = check(data(enqueues, [], kills, dropped, broker_loss_per_kill=1), [], now=T0 + 60)
+    assert woken.lost == ["a"] and not woken.broker_lost
+
+
 def test_broker_loss_is_capped_per_kill() -> None:
-    """Two messages in transit and one kill: one is excused, the other is lost and fails the check."""
-    enqueues = [enq("a", 1, at=T0 + 0.5), enq("b", 2, at=T0 + 0.6)]
-    one = check(data(enqueues, [], [kill(1)], broker_loss_per_kill=1), [], now=T0 + 60)
+    """Two retries in transit and one kill: one is excused, the other is lost and fails the check."""
+    enqueues = [enq("a", 1, at=T0 + 0.1), enq("b", 2, at=T0 + 0.2, key="L")]
+    bodies = [retried("a", 0.4), retried("b", 0.5, 2, key="L")]
+    one = check(data(enqueues, bodies, [kill(1)], broker_loss_per_kill=1), [], now=T0 + 60)
     assert not one.ok
     assert len(one.broker_lost) == 1 and len(one.lost) == 1 and one.broker_loss_over_cap == one.lost
     assert one.broker_loss_cap == 1
-    two = check(data(enqueues, [], [kill(1), kill(3, "w1")], broker_loss_per_kill=1), [], now=T0 + 60)
+    two = check(data(enqueues, bodies, [kill(1), kill(3, "w1")], broker_loss_per_kill=1), [], now=T0 + 60)
     assert two.ok and two.broker_lost == ["a", "b"] and two.broker_loss_cap == 2
-    # A kill before both publishes accounts for neither: one kill left for two runs.
-    early = check(data(enqueues, [], [kill(0.4), kill(3, "w1")], broker_loss_per_kill=1), [], now=T0 + 60)
-    assert early.broker_lost == ["b"] and early.lost == ["a"]
+    # A kill before both retries were published accounts for neither: one kill left for two runs.
+    early = check(
+        data(enqueues, bodies, [kill(0.45), kill(3, "w1")], broker_loss_per_kill=1), [], now=T0 + 60
+    )
+    assert len(early.broker_lost) == 1 and len(early.lost) == 1
 
 
 def test_broker_loss_matches_late_publishes_first() -> None:
-    """a can use either kill, b only the later one: both are excused whatever the order."""
-    enqueues = [enq("a", 1, at=T0 + 0.5), enq("b", 2, at=T0 + 2.0)]
-    loss = lost_to_broker(data(enqueues, [], [kill(1), kill(3, "w1")]), ["a", "b"], per_kill=1)
+    """a's retry can use either kill, b's only the later one: both are excused whatever the order."""
+    enqueues = [enq("a", 1, at=T0 + 0.1), enq("b", 2, at=T0 + 0.2, key="L")]
+    bodies = [retried("a", 0.4), retried("b", 1.9, 2, key="L")]
+    loss = lost_to_broker(data(enqueues, bodies, [kill(1), kill(3, "w1")]), ["a", "b"], per_kill=1)
     assert loss.excused == {"a": T0 + 1, "b": T0 + 3} and not loss.over_cap
 
 
 def test_broker_loss_needs_a_kill_after_the_publish() -> None:
-    enqueues = [enq("a", 1, at=T0 + 5)]
-    result = check(data(enqueues, [], [kill(1)], broker_loss_per_kill=1), [], now=T0 + 60)
+    enqueues = [enq("a", 1, at=T0 + 0.1)]
+    result = check(data(enqueues, [retried("a", 5)], [kill(1)], broker_loss_per_kill=1), [], now=T0 + 60)
     assert result.lost == ["a"] and not result.broker_lost
 
 
-def test_a_message_a_worker_received_is_not_a_broker_loss() -> None:
+def test_a_retry_a_worker_received_is_not_a_broker_loss() -> None:
     """Received (recorded as unacked) or run by a body the kill stopped: it comes back, never excused."""
-    enqueues = [enq("a", 1, at=T0 + 0.5)]
-    got = check(data(enqueues, [], [kill(2)], [received("a", 0.6)], broker_loss_per_kill=1), [], now=T0 + 60)
+    enqueues = [enq("a", 1, at=T0 + 0.1)]
+    got = check(
+        data(enqueues, [retried("a", 0.4)], [kill(2)], [received("a", 0.6)], broker_loss_per_kill=1),
+        [],
+        now=T0 + 60,
+    )
     assert got.lost == ["a"] and not got.broker_lost
     killed = check(
-        data(enqueues, [body("a", 0.7, None, 1)], [kill(2)], [received("a", 0.6)], broker_loss_per_kill=1),
+        data(
+            enqueues,
+            [retried("a", 0.4), body("a", 0.7, None, 2)],
+            [kill(2)],
+            [received("a", 0.6)],
+            broker_loss_per_kill=1,
+        ),
         [],
         now=T0 + 60,
     )
     assert killed.lost == ["a"] and not killed.broker_lost
 
 
-def test_a_deferred_copy_in_transit_is_a_broker_loss() -> None:
-    """The gate deferred the run (a new copy published) and no worker received that copy."""
+def test_a_retry_in_transit_is_a_broker_loss() -> None:
+    """A holder's body raised: its retry is published as the body ends, the RETRY delivery too."""
     enqueues = [enq("a", 1, at=T0 + 0.5)]
-    deferred = [received("a", 0.6), delivery("a", 0.7, "IGNORED: deferred 0.30s (generation 1)")]
-    lost = check(data(enqueues, [], [kill(1)], deferred, broker_loss_per_kill=1), [], now=T0 + 60)
-    assert lost.ok and lost.broker_lost == ["a"]
-    # The kill came before the deferral published its copy: not this kill's loss.
-    before = check(data(enqueues, [], [kill(0.65)], deferred, broker_loss_per_kill=1), [], now=T0 + 60)
-    assert before.lost == ["a"]
-    # The new copy reached a worker: it is in the worker's unacked set, redelivered if it dies.
-    seen = [*deferred, received("a", 1.05)]
-    assert check(data(enqueues, [], [kill(1)], seen, broker_loss_per_kill=1), [], now=T0 + 60).lost == ["a"]
-    # A retried body publishes its retry as it ends.
-    raised = [body("a", 0.7, 0.8, 1, outcome="raised")]
+    raised = [retried("a", 0.7)]
     retry = check(data(enqueues, raised, [kill(0.9)], broker_loss_per_kill=1), [], now=T0 + 60)
     assert retry.ok and retry.broker_lost == ["a"]
+    # The kill came before the retry was published: not this kill's loss.
     assert check(data(enqueues, raised, [kill(0.75)], broker_loss_per_kill=1), [], now=T0 + 60).lost
-
-
-def test_a_dropped_stale_copy_points_at_a_newer_copy_in_transit() -> None:
-    """Dropped as stale: a newer copy (a wake) was published after the run's last deferral; lost if
-    no worker received it, but only by a kill after that deferral."""
-    enqueues = [enq("a", 1, at=T0 + 0.5)]
-    records = [
-        received("a", 0.6),
-        delivery("a", 0.7, "IGNORED: deferred 0.30s (generation 1)"),
-        received("a", 0.75),
-        delivery("a", 1.1, "IGNORED: stale copy dropped"),
-    ]
-    lost = check(data(enqueues, [], [kill(0.9)], records, broker_loss_per_kill=1), [], now=T0 + 60)
-    assert lost.ok and lost.broker_lost == ["a"]
-    assert check(data(enqueues, [], [kill(0.65)], records, broker_loss_per_kill=1), [], now=T0 + 60).lost
+    marked = [received("a", 0.6), delivery("a", 0.65, "RETRY: Retry in 0.1s", end=0.85)]
+    both = check(data(enqueues, raised, [kill(0.9)], marked, broker_loss_per_kill=1), [], now=T0 + 60)
+    assert both.ok and both.broker_lost == ["a"]
 
 
 def test_the_table_shows_the_broker_loss_cap() -> None:
-    enqueues = [enq("a", 1, at=T0 + 0.5), enq("b", 2, at=T0 + 0.6)]
-    result = check(data(enqueues, [], [kill(1)], broker_loss_per_kill=1), [], now=T0 + 60)
-    console = Console(width=110, record=True, file=io.StringIO())
-    result.print(console)
-    text = console.export_text()
+    enqueues = [enq("a", 1, at=T0 + 0.1), enq("b", 2, at=T0 + 0.2, key="L")]
+    bodies = [retried("a", 0.4), retried("b", 0.5, 2, key="L")]
+    result = check(data(enqueues, bodies, [kill(1)], broker_loss_per_kill=1), [], now=T0 + 60)
+    text = render(result)
     assert "lost by the broker at a SIGKILL" in text and "1 (≤ 1)" in text
     assert "in transit at a kill, over the cap" in text and "FAIL" in text
 

@@ -48,9 +48,9 @@ from ..config import (
     BoundSingleton,
     SingletonConfig,
 )
-from ..errors import SingletonKeyError, SingletonPayloadError, StoreUnavailableError
+from ..errors import SingletonConfigError, SingletonKeyError, SingletonPayloadError, StoreUnavailableError
 from ..outcomes import Decision, Registered, RegisterOutcome, RunSpec, Wake
-from ..runtime import GENERATION_FIELD, Gatekeeper, WorkerOptions, check_store_argument
+from ..runtime import GENERATION_FIELD, Gatekeeper, WorkerOptions, check_store_argument, confirm_at_exit
 from ._internals import current_worker_task, is_tracer_call, mark_tracer_call
 
 __all__ = ["GENERATION_HEADER", "SingletonTask", "gatekeeper_for", "install"]
@@ -121,8 +121,9 @@ def install(
     if previous is not None:
         previous.close()
     steps = app.steps["worker"]
-    if _SchemaCheck not in steps:
-        steps.add(_SchemaCheck)
+    for step in (_SchemaCheck, _DueWork):
+        if step not in steps:
+            steps.add(step)
     _connect_signals()
     adopt_declared_tasks(app)
 
@@ -148,6 +149,22 @@ class _SchemaCheck(bootsteps.StartStopStep):  # type: ignore[misc]
             logger.warning("singleton store unavailable at worker start (%s); gating fails closed", error)
         finally:
             gatekeeper.close()  # no client crosses the pool's fork; reopened at first use
+
+
+class _DueWork(bootsteps.StartStopStep):  # type: ignore[misc]
+    """The worker's heartbeat thread, in its main process once its pool is up (a prefork pool's
+    processes are forked by then): it does the due work of keys no delivery touches, issuing
+    again the runs whose copies were lost, and publishes those copies (docs/concepts.md#the-line).
+    """
+
+    label = "singleton-tasks due work"
+    requires = ("celery.worker.components:Pool", _SchemaCheck)  # its check closes the store
+
+    def start(self, worker: Any) -> None:
+        app = worker.app
+        gatekeeper = gatekeeper_for(app)
+        gatekeeper.publish_wakes = lambda wakes: _publish_wakes(app, wakes)
+        gatekeeper.heartbeats.start()
 
 
 def gatekeeper_for(app: Celery) -> Gatekeeper:
@@ -324,14 +341,17 @@ class SingletonTask(Task):  # type: ignore[misc]
         own copies can run it.
         """
         try:
-            return _json_payload(_signature_for(self, args, kwargs, run_id, link, link_error, shadow, options))
+            return _json_payload(
+                _signature_for(self, args, kwargs, run_id, link, link_error, shadow, options)
+            )
         except Exception as error:
             serializer = options.get("serializer") or self.serializer or self._get_app().conf.task_serializer
             if serializer != "json":
                 logger.debug("%s run %s has no payload for a wake", self.name, run_id, exc_info=True)
                 return None
             raise SingletonPayloadError(
-                f"{self.name} run {run_id}: its arguments cannot be encoded as JSON ({error}); nothing was sent"
+                f"{self.name} run {run_id}: its arguments cannot be encoded as JSON ({error}); "
+                "nothing was sent"
             ) from error
 
     def _register_unconfirmed(
@@ -393,10 +413,12 @@ class SingletonTask(Task):  # type: ignore[misc]
         try:
             _publish_wakes(self._get_app(), gatekeeper.park(self.name, spec))
         except Exception:
-            # Published all the same: its held-back copy claims at its countdown, as a deferral.
+            # Published all the same: its held-back copy claims at its countdown, as a deferral;
+            # its registration is confirmed like any other, or it would be taken as never published.
             logger.warning(
                 "could not park %s run %s: it waits for its countdown", self.name, spec.run_id, exc_info=True
             )
+            gatekeeper.confirm_later(spec)
 
     # -- gate hook (docs/concepts.md#the-life-of-a-run) ----------------------------------------------------
     def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
@@ -424,6 +446,10 @@ class SingletonTask(Task):  # type: ignore[misc]
             logger.warning(
                 "store unavailable at the gate: %s run %s deferred", self.name, task_id, exc_info=True
             )
+            self._defer(request, delivery.generation, gatekeeper.deferral_delay(None, spec.limit))
+        except SingletonConfigError as error:
+            # A refusal the store lifts once fixed (Store.check_health): deferred as in an outage.
+            logger.error("the store refuses %s run %s at the gate (deferred): %s", self.name, task_id, error)
             self._defer(request, delivery.generation, gatekeeper.deferral_delay(None, spec.limit))
         _publish_wakes(self._get_app(), outcome.wakes)
         if outcome.decision is Decision.ADMITTED:
@@ -580,19 +606,15 @@ def _connect_signals() -> None:
     signals.task_postrun.connect(_on_postrun, weak=False, dispatch_uid="singleton_tasks.postrun")
     signals.task_revoked.connect(_on_revoked, weak=False, dispatch_uid="singleton_tasks.revoked")
     signals.task_failure.connect(_on_failure, weak=False, dispatch_uid="singleton_tasks.failure")
-    signals.worker_ready.connect(_on_worker_ready, weak=False, dispatch_uid="singleton_tasks.worker_ready")
+    # A prefork pool process ends with os._exit inside billiard's worker loop: no atexit and no
+    # multiprocessing finalizer runs there, only this signal. Sends of its tasks stay confirmed.
+    signals.worker_process_shutdown.connect(
+        _on_process_shutdown, weak=False, dispatch_uid="singleton_tasks.process_shutdown"
+    )
 
 
-def _on_worker_ready(sender: Any = None, **_: Any) -> None:
-    """Start the worker's heartbeat thread in its main process, once its pool is up: it does the
-    due work of keys no delivery touches (re-issues of lost copies, evictions) and publishes
-    the copies the store issues (docs/concepts.md#the-line)."""
-    app = getattr(sender, "app", None)
-    if app is None or not any(isinstance(task, SingletonTask) for task in list(app.tasks.values())):
-        return
-    gatekeeper = gatekeeper_for(app)
-    gatekeeper.publish_wakes = lambda wakes: _publish_wakes(app, wakes)
-    gatekeeper.heartbeats.start()
+def _on_process_shutdown(**_: Any) -> None:
+    confirm_at_exit()
 
 
 _connect_signals()  # SingletonTask works without install(): the app.conf / env / default store

@@ -59,7 +59,7 @@ store's clock, durations are seconds; the store's password is redacted):
   "format": 1,
   "store": "redis://user:***@host:6379/0",     # redacted
   "namespace": "default",
-  "schema_version": 3,                           # null: the store was never migrated
+  "schema_version": 4,                           # null: the store was never migrated
   "now": 1767225600.0,
   "totals": {"keys": 1, "holders": 1, "waiters": 2},
   "keys": [                                      # sorted by scope, key
@@ -77,7 +77,10 @@ store's clock, durations are seconds; the store's password is redacted):
          "state": "gated",                       # "pending" | "gated" | "woken" | "phantom"
          "confirmed": true,                      # false: enqueue not yet confirmed
          "seen_at": …,                           # a live copy of it last reached the store
-         "passed_over": false}                   # unseen too long: owns no slot, not counted
+         "reissue_at": …,                        # owning a slot and unseen by then, the store
+                                                 # issues it again (null: never)
+         "passed_over": false}                   # always false: no waiter is passed over since
+                                                 # schema 4 (kept for readers of this format)
       ]
     }
   ]
@@ -216,8 +219,6 @@ def _holder_status(holder: HolderView) -> str:
 def _waiter_state(waiter: WaiterView, now: float) -> str:
     if waiter.phantom:
         return "phantom"
-    if waiter.passed_over_at is not None and waiter.passed_over_at < now:
-        return f"{waiter.state.value}, passed over"
     return waiter.state.value
 
 
@@ -253,7 +254,8 @@ def inspect_document(store: Store, snaps: Sequence[KeySnapshot], now: float) -> 
                         "state": "phantom" if w.phantom else w.state.value,
                         "confirmed": w.confirmed,
                         "seen_at": w.seen_at,
-                        "passed_over": w.passed_over_at is not None and w.passed_over_at < now,
+                        "reissue_at": w.reissue_at,
+                        "passed_over": False,
                     }
                     for w in snap.waiters
                 ],
@@ -439,17 +441,22 @@ def _describe(run: HolderView | WaiterView) -> str:
     return f"waiter (position {run.position}, {run.state.value})"
 
 
+
+def _confirm_and_broker_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``--yes`` and ``--broker`` of the commands that settle runs (``release``, ``drop-waiters``)."""
+    command = click.option(
+        "--broker",
+        "broker_url",
+        default=None,
+        metavar="URL",
+        help="Dramatiq broker (redis://… or amqp://…) to publish the woken waiters' messages on at once.",
+    )(command)
+    return click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")(command)
+
 @cli.command()
 @store_options
 @click.argument("run_id")
-@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
-@click.option(
-    "--broker",
-    "broker_url",
-    default=None,
-    metavar="URL",
-    help="Dramatiq broker (redis://… or amqp://…) to publish the woken waiters' messages on at once.",
-)
+@_confirm_and_broker_options
 def release(store_url: str | None, namespace: str, run_id: str, yes: bool, broker_url: str | None) -> None:
     """Operator override: free RUN_ID's slot (or place in line) and name who is next.
 
@@ -590,14 +597,7 @@ def _one_key(store: Store, scope: str | None, key: str) -> KeySnapshot | None:
 @click.option(
     "--scope", default=None, help="The key's scope (default: a task's name); needed if several use the key."
 )
-@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
-@click.option(
-    "--broker",
-    "broker_url",
-    default=None,
-    metavar="URL",
-    help="Dramatiq broker (redis://… or amqp://…) to publish the woken waiters' messages on at once.",
-)
+@_confirm_and_broker_options
 def drop_waiters(
     store_url: str | None, namespace: str, key: str, scope: str | None, yes: bool, broker_url: str | None
 ) -> None:

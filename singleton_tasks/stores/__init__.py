@@ -9,7 +9,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ..errors import SingletonConfigError
-from .base import SCHEMA_VERSION, RuleStore, Store, redact_url
+from .base import SCHEMA_VERSION, RuleStore, Store, redact_url, url_retention
 
 # The store classes, in the order a scheme is looked for: each class declares its own schemes,
 # drivers and extra (Store.schemes / .drivers / .extra). A store's module imports its driver only
@@ -72,10 +72,11 @@ def check_store_url(url: str) -> str:
     """Check a store URL's scheme, syntax and driver without connecting; returns its scheme.
 
     Raises :class:`SingletonConfigError` (the URL redacted in its message) for an unknown
-    scheme, a malformed URL or a driver that is not installed. Adapters call it when they are
-    constructed, so a typo fails at setup rather than at the first run.
+    scheme, a malformed URL, a bad ``?retention=`` or a driver that is not installed. Adapters
+    call it when they are constructed, so a typo fails at setup rather than at the first run.
     """
     store_class = _class_for(url)
+    url_retention(url)  # ?retention= is every scheme's, checked whatever the class
     try:
         store_class.check_url(url)
     except ValueError as error:  # SingletonConfigError is one: its own message is kept

@@ -269,7 +269,11 @@ class SQLKeyTransaction(KeyTransaction):
                 idle_until = None if row[3] is None else float(row[3])
                 due_at = None if row[5] is None else float(row[5])
                 self._meta = KeyMeta(
-                    token=int(row[0]), seq=int(row[1]), limit=int(row[2]), idle_until=idle_until, due_at=due_at
+                    token=int(row[0]),
+                    seq=int(row[1]),
+                    limit=int(row[2]),
+                    idle_until=idle_until,
+                    due_at=due_at,
                 )
                 self._now = float(row[4])
                 return True

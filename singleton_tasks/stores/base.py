@@ -10,9 +10,10 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from typing import ClassVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote_plus, urlsplit, urlunsplit
 
 from .. import gate
+from ..config import check_storable
 from ..errors import SingletonConfigError
 from ..gate import KeyMeta, KeyTransaction, RunRecord, Timings
 from ..outcomes import (
@@ -60,8 +61,9 @@ def redact_url(url: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
-def check_retention(retention: object) -> float:
-    """``retention`` as seconds, or SingletonConfigError naming the value."""
+def check_retention(retention: object, what: str = "store retention") -> float:
+    """``retention`` as seconds, or SingletonConfigError naming ``what`` and the value."""
+    given = retention  # named as given: '0' from a URL, not 0.0
     if isinstance(retention, str):
         try:
             retention = float(retention)
@@ -72,8 +74,32 @@ def check_retention(retention: object) -> float:
         or isinstance(retention, bool)
         or not 0 < retention < float("inf")
     ):
-        raise SingletonConfigError(f"store retention must be a positive number of seconds, got {retention!r}")
+        raise SingletonConfigError(f"{what} must be a positive number of seconds, got {given!r}")
     return float(retention)
+
+
+def pop_query_option(url: str, name: str) -> tuple[str, str | None]:
+    """The URL without its ``?name=`` query option, and that option's value (None: not given).
+
+    Every other character of the URL is kept as written, for the driver that reads the rest.
+    SingletonConfigError when the option is given twice.
+    """
+    head, question, rest = url.partition("?")
+    query, hash_mark, fragment = rest.partition("#")
+    found = [part for part in query.split("&") if unquote_plus(part.partition("=")[0]) == name]
+    if not question or not found:
+        return url, None
+    if len(found) > 1:
+        raise SingletonConfigError(f"store URL {redact_url(url)}: ?{name}= is given {len(found)} times")
+    kept = "&".join(part for part in query.split("&") if part not in found)
+    value = unquote_plus(found[0].partition("=")[2])
+    return head + (question + kept if kept else "") + hash_mark + fragment, value
+
+
+def url_retention(url: str) -> float | None:
+    """The ``?retention=`` of a store URL (any scheme) in seconds; None: not given."""
+    value = pop_query_option(url, "retention")[1]
+    return None if value is None else check_retention(value, f"store URL {redact_url(url)}: ?retention=")
 
 
 def check_namespace(namespace: str) -> str:
@@ -81,7 +107,7 @@ def check_namespace(namespace: str) -> str:
         raise SingletonConfigError(
             f"store namespace must be a non-empty str without braces, colons or newlines, got {namespace!r}"
         )
-    return namespace
+    return check_storable(namespace, "store namespace")
 
 
 class Store(abc.ABC):
@@ -94,7 +120,8 @@ class Store(abc.ABC):
     - ``namespace``: isolates applications sharing one server.
     - ``retention``: seconds after which an idle key and a settled run's marker are forgotten,
       and a waiter due for a re-issue that nothing reached for that long is abandoned (default
-      :data:`~singleton_tasks.gate.DEFAULT_RETENTION`).
+      :data:`~singleton_tasks.gate.DEFAULT_RETENTION`); also ``?retention=`` in the URL of every
+      scheme (given both ways, the two must agree).
     - ``clock`` (tests only): a zero-argument callable; when given the store decides at the time
       it returns instead of reading its own clock (:class:`singleton_tasks.testing.ManualClock`).
     """
@@ -122,6 +149,15 @@ class Store(abc.ABC):
         self.url = redact_url(url)
         self.namespace = check_namespace(namespace)
         timings = timings or Timings()
+        from_url = url_retention(url)
+        if from_url is not None:
+            # Given both ways, they must agree (as the Redis store's own URL options must).
+            if retention is not None and check_retention(retention) != from_url:
+                raise SingletonConfigError(
+                    f"store {self.url}: retention is given twice with different values: "
+                    f"{retention!r} (keyword) and {from_url:g} (URL)"
+                )
+            retention = from_url
         if retention is not None:
             timings = dataclasses.replace(timings, retention=check_retention(retention))
         else:
@@ -271,6 +307,25 @@ class Store(abc.ABC):
                 wait for a long sweep. None: sweep everything.
         """
         return 0
+
+    def check_health(self) -> None:
+        """Check again a condition of the server that the store checked before its first operation
+        and that can change while it runs (the Redis store: an ``allkeys-*`` eviction policy).
+
+        A worker's heartbeat thread calls it once per heartbeat interval; a producer that runs
+        no worker is checked at first use only. A store that finds such a condition raises the
+        error its first operation would have raised, and remembers it: until a later call finds
+        the condition gone, every registration and claim raises that error as well (a new
+        exception each time) and writes nothing, while the calls that confirm, extend or settle
+        runs already admitted go on, so those runs keep their slots and finish. Keep the cost
+        on the operations' path to an attribute check.
+
+        Raises:
+            SingletonConfigError: the condition found; remembered until a call finds it gone.
+            StoreUnavailableError: the server did not answer; what was remembered stays.
+
+        The default checks nothing.
+        """
 
     def close(self) -> None:
         """Release connections."""

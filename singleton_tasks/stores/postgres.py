@@ -24,11 +24,24 @@ except ImportError:  # pragma: no cover - the core-only install (tests/test_extr
 from ..errors import SingletonConfigError, StoreUnavailableError
 from ..gate import Timings
 from ._sql import POSTGRES, SQLCursor, SQLStore
-from .base import Clock
+from .base import Clock, pop_query_option, redact_url
 
 # Pools inherited through a fork: their connections belong to the parent (closing them here
 # would end the parent's sessions), so the child only keeps them from being garbage-collected.
 _FORK_ORPHANS: list[ConnectionPool[Any]] = []
+
+
+def _check_connect_timeout(params: dict[str, Any], where: str) -> None:
+    """SingletonConfigError naming a ``connect_timeout`` psycopg cannot read: every connection
+    would fail with it (0 or less is psycopg's own default, not an error)."""
+    value = params.get("connect_timeout")
+    if value is not None:
+        try:
+            int(float(value))  # as psycopg reads it
+        except (TypeError, ValueError, OverflowError):
+            raise SingletonConfigError(
+                f"{where}: connect_timeout must be a number of seconds, got {value!r}"
+            ) from None
 
 
 class PostgresStore(SQLStore):
@@ -47,9 +60,10 @@ class PostgresStore(SQLStore):
     def check_url(cls, url: str) -> None:
         super().check_url(url)
         try:
-            psycopg.conninfo.conninfo_to_dict(url)
+            params = psycopg.conninfo.conninfo_to_dict(pop_query_option(url, "retention")[0])
         except psycopg.Error as error:
             raise ValueError(str(error)) from None
+        _check_connect_timeout(params, f"PostgreSQL store {redact_url(url)}")
 
     clock_source = "server"
     dialect = POSTGRES
@@ -76,13 +90,17 @@ class PostgresStore(SQLStore):
             raise SingletonConfigError(
                 f"pool sizes need 0 <= min_size <= max_size and max_size >= 1, got {min_size}, {max_size}"
             )
-        if not isinstance(timeout, (int, float)) or timeout <= 0:
+        # Not finite: every connection fails setting its lock_timeout (the pool waits forever).
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
             raise SingletonConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        # ?retention= is the base class's: libpq refuses a parameter it does not know.
+        conninfo = pop_query_option(url, "retention")[0]
         try:
-            params = psycopg.conninfo.conninfo_to_dict(url)
+            params = psycopg.conninfo.conninfo_to_dict(conninfo)
         except psycopg.Error as error:
             raise SingletonConfigError(f"malformed PostgreSQL store URL {self.url}: {error}") from None
-        self._conninfo = url  # never shown: self.url is the redacted one
+        _check_connect_timeout(params, f"PostgreSQL store {self.url}")
+        self._conninfo = conninfo  # never shown: self.url is the redacted one
         # Each connection attempt gives up within `timeout` too (libpq waits for the OS otherwise:
         # minutes for a host that drops packets), unless the URL sets its own connect_timeout.
         self._connect_kwargs: dict[str, Any] = (

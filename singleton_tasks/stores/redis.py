@@ -13,6 +13,10 @@ namespace written by schema version 2 or older has no index: ``migrate`` builds 
 ``SCAN`` of the database), and workers refuse an unmigrated namespace
 (docs/deployment.md#schema-upgrades).
 
+Keys with work of their own to do (a key's ``due_at``, :mod:`singleton_tasks.gate`) are listed
+by the same scripts in a second index, a sorted set of their hash tags scored by ``due_at``,
+``<namespace>:due``: :meth:`RedisStore.tick_due` reads the keys due by now from it.
+
 On Redis 7 and later the scripts are loaded once as a function library and each operation is
 one ``FCALL``: ``lib.lua`` then runs once per server instead of once per call (it is about two
 thirds of a small operation's server time). Servers without functions, or users not allowed
@@ -28,9 +32,9 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from importlib import resources
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 try:  # the driver, when installed (Store.check_drivers names the extra otherwise)
@@ -50,6 +54,7 @@ from ..gate import KeyMeta, RunRecord, Timings
 from ..outcomes import (
     ClaimOutcome,
     Decision,
+    DueOutcome,
     HeartbeatOutcome,
     HolderRef,
     HolderView,
@@ -74,10 +79,15 @@ _OPERATIONS = (
     "heartbeat",
     "release",
     "snapshot",
+    "tick",
+    "migrate",
 )
+#: The operations a refusal found by check_health stops: those that let a new run in.
+_ADMITTING = frozenset({"register", "claim"})
 _GLOB_SPECIAL = re.compile(rb"([*?\[\]\\])")
-#: The store's own options in a Redis URL's query (the rest go to redis-py).
-STORE_QUERY_OPTIONS = ("allow_eviction", "wait_replicas", "wait_timeout_ms")
+#: The store's own options in a Redis URL's query (the rest go to redis-py); ``retention`` is
+#: every store's (read by the base class).
+STORE_QUERY_OPTIONS = ("allow_eviction", "wait_replicas", "wait_timeout_ms", "retention")
 #: How long a writing operation waits for its replicas by default (``wait_replicas`` given).
 DEFAULT_WAIT_TIMEOUT_MS = 1000
 _TRUE, _FALSE = ("true", "yes", "1", "on"), ("false", "no", "0", "off")
@@ -225,6 +235,26 @@ def _flag(name: str, value: object, where: str) -> bool:
     raise SingletonConfigError(f"{where}: {name} must be true or false, got {value!r}")
 
 
+#: redis-py's timeouts, in seconds: 0 makes every call fail at once, a negative, non-finite or
+#: huge one fails every connect (Python's socket timeouts end at int64 nanoseconds).
+TIMEOUT_OPTIONS = ("socket_timeout", "socket_connect_timeout")
+_MAX_TIMEOUT = 1e9
+
+
+def check_timeouts(options: Mapping[str, object], where: str) -> None:
+    """SingletonConfigError naming the option and its value when a timeout would fail every call
+    (None, no timeout, is allowed)."""
+    for name in TIMEOUT_OPTIONS:
+        value = options.get(name)
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= _MAX_TIMEOUT
+        ):
+            raise SingletonConfigError(
+                f"{where}: {name} must be a number of seconds above 0 and at most {_MAX_TIMEOUT:g} "
+                f"(or None: no timeout), got {value!r}"
+            )
+
+
 def _count(name: str, value: object, where: str) -> int:
     """A whole number ≥ 1 (digits in a URL)."""
     number = value
@@ -329,7 +359,9 @@ class RedisStore(Store):
         store_options(url, {})  # the store's own options (allow_eviction, wait_replicas, ...)
         node_url = cls._node_url(split_store_options(url)[0])
         super().check_url(node_url)
-        redis.connection.parse_url(node_url)  # type: ignore[no-untyped-call]  # ValueError: a bad option
+        # ValueError: a bad option
+        url_options = redis.connection.parse_url(node_url)  # type: ignore[no-untyped-call]
+        check_timeouts(url_options, f"Redis store {redact_url(url)}")
 
     @staticmethod
     def _node_url(url: str) -> str:
@@ -373,17 +405,26 @@ class RedisStore(Store):
         if redis_options.get("decode_responses"):
             raise SingletonConfigError(f"{self!r}: decode_responses is not supported (payloads are bytes)")
         try:
-            # A hung server must fail an operation (StoreUnavailableError), not block it forever.
-            redis_options.setdefault("socket_timeout", 5.0)
-            redis_options.setdefault("socket_connect_timeout", 5.0)
+            node_url = self._node_url(split_store_options(url)[0])
+            url_options = redis.connection.parse_url(node_url)  # type: ignore[no-untyped-call]
+            check_timeouts(redis_options, repr(self))
+            check_timeouts(url_options, f"{self!r} (URL)")
+            for name in TIMEOUT_OPTIONS:
+                if name not in url_options:  # the URL's own stays (the Sentinel client prefers keywords)
+                    # A hung server must fail an operation (StoreUnavailableError), not block it forever.
+                    redis_options.setdefault(name, 5.0)
             self._client: redis.Redis = self._connect(split_store_options(url)[0], redis_options)
+        except SingletonConfigError:
+            raise
         except (ValueError, TypeError) as error:
             # The driver's message may quote the URL: never let it show the password.
             detail, password = str(error), _password(url)
             if password and password in detail:
                 detail = type(error).__name__
             raise SingletonConfigError(f"invalid Redis store {self.url}: {detail}") from None
-        socket_timeout = redis_options.get("socket_timeout")
+        # Given both ways, redis-py takes the URL's and the Sentinel client the keyword: the shorter counts.
+        given = [t for t in (url_options.get("socket_timeout"), redis_options.get("socket_timeout")) if t]
+        socket_timeout = min(given, default=None)
         if (
             self._wait is not None
             and socket_timeout
@@ -395,6 +436,9 @@ class RedisStore(Store):
             )
         # The server's eviction policy and replicas, checked at first use (once per store).
         self._server_checked = False
+        # The refusal check_health found (an allkeys-* policy set at runtime): registrations and
+        # claims raise it until a check passes again.
+        self._refusal: str | None = None
         self._server_check_lock = threading.Lock()
         self._scripts: dict[str, Script] = {
             name: self._client.register_script(text) for name, text in _load_scripts().items()
@@ -402,6 +446,7 @@ class RedisStore(Store):
         self._ns = _text(self.namespace)
         self._ns_colon = self._ns + b":"
         self._busy_key = self._ns_colon + b"busy"
+        self._due_key = self._ns_colon + b"due"
         self._threads = threading.local()
         # Raised when the pinned connections must connect again (the Sentinel store: a failover);
         # each thread compares it with its connection's before every call.
@@ -453,13 +498,9 @@ class RedisStore(Store):
                 "memory pressure and two runs of one key can then hold it at once: use noeviction",
                 self,
             )
-        elif policy.startswith("allkeys-") and not self.options.allow_eviction:
-            raise SingletonConfigError(
-                f"{self!r}: the server's maxmemory-policy is {policy}: under memory pressure Redis "
-                "would evict the store's keys (a running holder's slot, the key's token) and admit a "
-                "second run of a key while the first runs. Set maxmemory-policy noeviction, or give "
-                "the store a dedicated Redis; allow_eviction=true accepts that risk. Nothing was written"
-            )
+        refusal = self._eviction_refusal(policy)
+        if refusal is not None:
+            raise SingletonConfigError(refusal)
         if self._wait is not None:
             wait_replicas = self.options.wait_replicas or 0
             replicas = int(client.info("replication").get("connected_slaves", 0))
@@ -468,6 +509,34 @@ class RedisStore(Store):
                     f"{self!r}: wait_replicas={wait_replicas} but the primary has {replicas} connected "
                     "replica(s): every write would fail. Nothing was written"
                 )
+
+    def _eviction_refusal(self, policy: str | None) -> str | None:
+        """Why the store refuses a server evicting by ``policy``; None: it does not."""
+        if policy is None or not policy.startswith("allkeys-") or self.options.allow_eviction:
+            return None
+        return (
+            f"{self!r}: the server's maxmemory-policy is {policy}: under memory pressure Redis "
+            "would evict the store's keys (a running holder's slot, the key's token) and admit a "
+            "second run of a key while the first runs. Set maxmemory-policy noeviction, or give "
+            "the store a dedicated Redis; allow_eviction=true accepts that risk. Nothing was written"
+        )
+
+    def check_health(self) -> None:
+        """Read every server's eviction policy again (:meth:`Store.check_health`).
+
+        An ``allkeys-*`` policy set while the store runs (``CONFIG SET``) is refused as at first
+        use, by this call and by every registration and claim until a call finds it changed back.
+        """
+        try:
+            policies = [self._eviction_policy(server) for server in self._servers()]
+        except redis.exceptions.RedisError as error:
+            self._fail(error)
+        refusal = next(filter(None, map(self._eviction_refusal, policies)), None)
+        if refusal is None and self._refusal is not None:
+            logger.warning("%r: the server's maxmemory-policy is accepted again: runs are admitted", self)
+        self._refusal = refusal
+        if refusal is not None:
+            raise SingletonConfigError(refusal)
 
     @staticmethod
     def _eviction_policy(client: redis.Redis) -> str | None:
@@ -509,6 +578,10 @@ class RedisStore(Store):
         """The busy-key index that lists the key of hash tag ``tag``: on one server, one per
         namespace whatever the tag (the cluster store keeps one per hash slot)."""
         return self._busy_key
+
+    def _due_index_key(self, tag: bytes) -> bytes:
+        """The due-key index that lists the key of hash tag ``tag`` (as :meth:`_index_key`)."""
+        return self._due_key
 
     # -- plumbing -----------------------------------------------------------------------------
 
@@ -666,22 +739,29 @@ class RedisStore(Store):
 
     def _key_op(self, name: str, scope: str, key: str, run_id: str, *args: bytes) -> Any:
         """A per-key script: lib.lua's KEYS and ARGV layout, then ``args``."""
-        return self._eval(name, 7, *self._key_args(scope, key, run_id, *args))
+        if self._refusal is not None and name in _ADMITTING:
+            raise SingletonConfigError(self._refusal)  # a new error: its traceback is this call's
+        return self._eval(name, 8, *self._key_args(scope, key, run_id, *args))
 
     def _key_args(self, scope: str, key: str, run_id: str, *args: bytes) -> tuple[bytes, ...]:
-        """The seven keys and the arguments of a per-key script (lib.lua's layout), then ``args``."""
-        tag, run = _hash_tag(scope, key), _text(run_id)
+        """The eight keys and the arguments of a per-key script (lib.lua's layout), then ``args``."""
+        return self._tag_args(_hash_tag(scope, key), _text(scope), _text(key), _text(run_id), *args)
+
+    def _tag_args(self, tag: bytes, scope: bytes, key: bytes, run: bytes, *args: bytes) -> tuple[bytes, ...]:
+        """:meth:`_key_args` of the key of hash tag ``tag`` (tick and migrate know only the tag:
+        they pass an empty scope, key and run id)."""
         prefix = self._ns_colon + tag + b":"
         return (
             prefix + b"meta",
             prefix + b"waiters",
             prefix + b"holders",
-            prefix + b"overdue",
+            prefix + b"unconfirmed",
             prefix + b"run:" + run,
             prefix + b"settled:" + run,
             self._index_key(tag),
-            _text(scope),
-            _text(key),
+            self._due_index_key(tag),
+            scope,
+            key,
             run,
             self._clock_arg(),
             *_timing_args(self.timings),
@@ -690,7 +770,9 @@ class RedisStore(Store):
 
     # -- the protocol -------------------------------------------------------------------------
 
-    def register(self, spec: RunSpec, *, confirmed: bool = True) -> RegisterOutcome:
+    def register(
+        self, spec: RunSpec, *, payload: bytes | None = None, delay: float = 0.0, confirmed: bool = True
+    ) -> RegisterOutcome:
         limit, lease, orphan_timeout, recheck = _spec_args(
             spec.limit, spec.lease, spec.orphan_timeout, spec.recheck
         )
@@ -705,6 +787,9 @@ class RedisStore(Store):
             lease,
             orphan_timeout,
             recheck,
+            b"0" if payload is None else b"1",
+            b"" if payload is None else bytes(payload),
+            _time(delay),
         )
         return RegisterOutcome(_REGISTERED[status], int(in_flight))
 
@@ -734,9 +819,9 @@ class RedisStore(Store):
         """The confirms of ``runs`` in one write on ``client``'s own connection; None if a reply
         is an error (the caller sends them again one at a time). Raises RedisError."""
         if self._functions:
-            head = (b"FCALL", self._function_names["confirm"], b"7")
+            head = (b"FCALL", self._function_names["confirm"], b"8")
         else:
-            head = (b"EVALSHA", self._scripts["confirm"].sha.encode(), b"7")
+            head = (b"EVALSHA", self._scripts["confirm"].sha.encode(), b"8")
         calls = [(*head, *self._key_args(scope, key, run_id)) for scope, key, run_id in runs]
         replies, acknowledged = _call_batch(client, calls, self._wait)
         if any(isinstance(reply, Exception) for reply in replies):
@@ -748,8 +833,8 @@ class RedisStore(Store):
     def unregister(self, scope: str, key: str, run_id: str) -> bool:
         return bool(self._key_op("unregister", scope, key, run_id))
 
-    def park(self, scope: str, key: str, run_id: str, payload: bytes) -> tuple[Wake, ...]:
-        return _wakes(scope, key, self._key_op("park", scope, key, run_id, bytes(payload)))
+    def park(self, scope: str, key: str, run_id: str) -> tuple[Wake, ...]:
+        return _wakes(scope, key, self._key_op("park", scope, key, run_id))
 
     def claim(self, spec: RunSpec, generation: int, payload: bytes | None = None) -> ClaimOutcome:
         limit, lease, orphan_timeout, recheck = _spec_args(
@@ -817,6 +902,32 @@ class RedisStore(Store):
         return HeartbeatOutcome(
             tuple(ref.run_id for ref, ok in zip(holders, alive, strict=True) if not ok), float(now)
         )
+
+    def tick_due(self, *, limit: int = 64) -> list[DueOutcome]:
+        """``tick.lua`` on each of the ``limit`` keys due earliest that the due index lists as
+        due before now (the store's clock): one call per key, which reads the key's scope and
+        key itself. A listed key that is gone or idle is only taken off the index. Returns the
+        keys where something was done."""
+        done = []
+        for tag in self._due_tags(self.time(), limit):
+            reply = self._eval("tick", 8, *self._tag_args(tag, b"", b"", b""))
+            if reply and (reply[2] or reply[3] or reply[4]):
+                scope_b, key_b, wakes, evicted, removed = reply
+                scope, key = _str(scope_b), _str(key_b)
+                done.append(
+                    DueOutcome(scope, key, _wakes(scope, key, wakes), _names(evicted), _names(removed))
+                )
+        return done
+
+    def _due_tags(self, now: float, count: int) -> list[bytes]:
+        """The hash tags of up to ``count`` keys whose ``due_at`` is before ``now``, earliest first."""
+        try:
+            tags = self._thread_client().zrangebyscore(
+                self._due_key, "-inf", f"({float(now)!r}", start=0, num=count
+            )
+            return cast(list[bytes], tags)
+        except redis.exceptions.RedisError as error:
+            self._fail(error)
 
     # -- inspection ---------------------------------------------------------------------------
 
@@ -914,16 +1025,24 @@ class RedisStore(Store):
         return None if value is None else int(value)
 
     def migrate(self) -> None:
-        """Record the schema version; from version 2 or older, first build the busy-key index.
+        """Record the schema version; from version 2 or older, first build the busy-key index;
+        from version 3 or older, then bring each busy key to version 4.
 
         Versions 1 and 2 kept no index: every key with a holders or a waiters zset is added to
         it, found by one ``SCAN`` of the database (run it with the workers drained, as every
         upgrade: a key that goes idle during the scan may stay listed, and is then skipped by
-        ``inspect`` until its next call removes it). Running it again is harmless.
+        ``inspect`` until its next call removes it). Version 4 (``migrate.lua``, one call per
+        busy key) renames each run's ``passed_over_at`` to ``reissue_at``, indexes the
+        unconfirmed waiters, drops the ``overdue`` zset and makes the key due at once: the first
+        heartbeat's :meth:`tick_due` recomputes its ``due_at``. Running it again is harmless.
         """
         found = self.schema_version()
         if found is not None and found < SCHEMA_VERSION:
-            self._index_busy_keys()
+            if found < 3:
+                self._index_busy_keys()
+            if found < 4:
+                for tag in self._busy_tags():
+                    self._eval("migrate", 8, *self._tag_args(tag, b"", b"", b""))
         self._write_schema_version(SCHEMA_VERSION)
 
     def _index_busy_keys(self) -> None:

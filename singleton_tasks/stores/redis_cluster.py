@@ -27,13 +27,16 @@ on the primary that serves it. What the cluster changes is handled here:
   of every slot, one pipeline per primary (16,384 ``SMEMBERS`` of sets that are mostly absent),
   then the keys they list: their cost grows with the busy keys and the primaries, never with
   the idle keys. A read answered by a redirect (a slot moving) is made again on the routed path.
+* The due-key index is one sorted set per hash slot too, ``<namespace>:{<t>}:due``;
+  :meth:`RedisClusterStore.tick_due` reads the keys due by now from every slot's, one pipeline
+  per primary, and calls each due key on its own primary.
 """
 
 from __future__ import annotations
 
 import binascii
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urlsplit, urlunsplit
 
@@ -121,9 +124,9 @@ class RedisClusterStore(RedisStore):
 
     schemes = ("redis+cluster", "rediss+cluster")
 
-    @classmethod
-    def check_url(cls, url: str) -> None:
-        cluster_seeds(url)  # ValueError: no host, a bad port, a database other than 0, a bad option
+    @staticmethod
+    def _node_url(url: str) -> str:
+        return cluster_seeds(url)[0]  # ValueError: no host, a bad port, a database other than 0
 
     def _connect(self, url: str, redis_options: dict[str, Any]) -> redis.Redis:
         from ._cluster_client import ClusterClient
@@ -161,14 +164,24 @@ class RedisClusterStore(RedisStore):
     def _slot_index_key(self, slot: int) -> bytes:
         return self._ns_colon + b"{" + slot_tags()[slot] + b"}:busy"
 
-    def _busy_tags(self) -> list[bytes]:
-        """The hash tags the busy-key index of every slot lists: one pipeline per primary."""
+    def _due_index_key(self, tag: bytes) -> bytes:
+        """The due-key index of the hash slot that holds the key of hash tag ``tag``."""
+        return self._slot_due_key(redis.crc.key_slot(self._ns_colon + tag + b":"))
+
+    def _slot_due_key(self, slot: int) -> bytes:
+        return self._ns_colon + b"{" + slot_tags()[slot] + b"}:due"
+
+    def _read_every_slot(
+        self, key_of: Callable[[int], bytes], read: Callable[[Any, bytes], Any]
+    ) -> list[Any]:
+        """``read(client, key)`` of the index ``key_of(slot)`` of every hash slot, one pipeline
+        per primary; a read answered by a redirect (the slot moving) is made again routed."""
         self._check_server_once()
         cluster = cast("ClusterClient", self._client)
         # A namespace holding a hash tag of its own puts all its keys (and indexes) in one slot.
-        index_keys = sorted({self._slot_index_key(slot) for slot in range(_SLOTS)})
+        index_keys = sorted({key_of(slot) for slot in range(_SLOTS)})
         by_node: dict[str, tuple[Any, list[bytes]]] = {}
-        tags: set[bytes] = set()
+        replies: list[Any] = []
         try:
             for key in index_keys:
                 node = cluster.nodes_manager.get_node_from_slot(redis.crc.key_slot(key))
@@ -176,16 +189,37 @@ class RedisClusterStore(RedisStore):
             for node, keys in by_node.values():
                 pipe = cluster.get_redis_connection(node).pipeline(transaction=False)
                 for key in keys:
-                    pipe.smembers(key)
-                for key, members in zip(keys, pipe.execute(raise_on_error=False), strict=True):
-                    if isinstance(members, Exception):  # MOVED/ASK: the slot is moving
-                        members = cluster.smembers(key)
-                    tags.update(cast(set[bytes], members))
+                    read(pipe, key)
+                for key, reply in zip(keys, pipe.execute(raise_on_error=False), strict=True):
+                    if isinstance(reply, Exception):  # MOVED/ASK: the slot is moving
+                        reply = read(cluster, key)
+                    replies.append(reply)
         except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException) as error:
             if not isinstance(error, redis.exceptions.RedisError):
                 error = redis.exceptions.ConnectionError(f"{type(error).__name__}: {error}")
             self._fail(error)
+        return replies
+
+    def _busy_tags(self) -> list[bytes]:
+        """The hash tags the busy-key index of every slot lists: one pipeline per primary."""
+        tags: set[bytes] = set()
+        for members in self._read_every_slot(self._slot_index_key, lambda client, key: client.smembers(key)):
+            tags.update(cast(set[bytes], members))
         return sorted(tags)
+
+    def _due_tags(self, now: float, count: int) -> list[bytes]:
+        """The ``count`` earliest due keys of every slot's due index, one pipeline per primary."""
+        until = f"({float(now)!r}"
+
+        def read(client: Any, key: bytes) -> Any:
+            return client.zrangebyscore(key, "-inf", until, start=0, num=count, withscores=True)
+
+        due = [
+            (score, tag)
+            for entries in self._read_every_slot(self._slot_due_key, read)
+            for tag, score in entries
+        ]
+        return [tag for _score, tag in sorted(due)[:count]]
 
     def _servers(self) -> list[redis.Redis]:
         cluster = cast("ClusterClient", self._client)

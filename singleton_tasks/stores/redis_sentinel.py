@@ -29,7 +29,7 @@ except ImportError:  # pragma: no cover - the core-only install (tests/test_extr
 
 from ..errors import SingletonConfigError
 from .base import redact_url
-from .redis import RedisStore
+from .redis import RedisStore, check_timeouts
 
 DEFAULT_SENTINEL_PORT = 26379
 SWITCH_CHANNEL = "+switch-master"  # "<service> <old ip> <old port> <new ip> <new port>"
@@ -122,6 +122,7 @@ class RedisSentinelStore(RedisStore):
                 f"Sentinel store {redact_url(url)}: sentinel_kwargs must be a dict, got {sentinel_kwargs!r}"
             )
         self._sentinel_kwargs = dict(sentinel_kwargs or {})
+        check_timeouts(self._sentinel_kwargs, f"Sentinel store {redact_url(url)}: sentinel_kwargs")
         self._listener: threading.Thread | None = None
         self._listener_pid: int | None = None
         self._listener_stop = threading.Event()

@@ -21,7 +21,7 @@ from urllib.parse import unquote, urlsplit
 from ..errors import SingletonConfigError, StoreUnavailableError
 from ..gate import Timings
 from ._sql import SQLITE, SQLCursor, SQLStore
-from .base import Clock
+from .base import Clock, pop_query_option
 
 # Connections inherited through a fork: never used or closed by the child (closing one there
 # can disturb the parent's locks), only kept from being garbage-collected.
@@ -30,11 +30,11 @@ _FORK_ORPHANS: list[sqlite3.Connection] = []
 
 def sqlite_path(url: str) -> str:
     """The database path of a ``sqlite://`` URL (one leading slash is the URL's)."""
-    parts = urlsplit(url)
+    parts = urlsplit(pop_query_option(url, "retention")[0])  # the base class reads ?retention=
     if parts.netloc or parts.query or parts.fragment or not parts.path.startswith("/") or len(parts.path) < 2:
         raise SingletonConfigError(
             f"malformed SQLite store URL {url!r}: expected sqlite:///relative.db or sqlite:////absolute.db "
-            "(options are keyword arguments, e.g. busy_timeout=30.0)"
+            "(?retention= is the only URL option; the others are keyword arguments, e.g. busy_timeout=30.0)"
         )
     return unquote(parts.path[1:])
 

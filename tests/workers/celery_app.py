@@ -8,7 +8,8 @@ appends one line per delivery (also the deferred and dropped ones) to another.
 The singleton tasks (key ``{key}``, limit 1): ``workers.record``, ``workers.capped``
 (``max_queue_depth=2``), ``workers.flaky`` (``self.retry()``) and ``workers.auto``
 (``autoretry_for``), all ``(key, label, duration, fails=0, until=None)`` and returning ``label``; and
-``workers.compute(value, key, add)`` returning ``value + add`` (for chains).
+``workers.compute(value, key, add)`` returning ``value + add`` (for chains). ``workers.send_to`` is
+a plain task that sends ``workers.record`` runs (a producer inside a pool process).
 """
 
 from __future__ import annotations
@@ -152,6 +153,12 @@ def build(config: AppConfig) -> Celery:
         retry_kwargs={"countdown": RETRY_COUNTDOWN},
         max_retries=2,
     )(attempt)
+
+    @app.task(name="workers.send_to", shared=False)
+    def send_to(key: str, count: int, queue: str) -> tuple[int, list[str]]:
+        """Sends ``count`` runs of ``workers.record`` to ``queue``; returns this pid and their ids."""
+        record = app.tasks["workers.record"]
+        return os.getpid(), [record.apply_async((key, f"sent-{i}", 0), queue=queue).id for i in range(count)]
 
     @app.task(base=SingletonTask, singleton={"key": "{key}"}, name="workers.compute", shared=False)
     def compute(value: int, key: str, add: int) -> int:

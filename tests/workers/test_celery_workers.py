@@ -48,7 +48,7 @@ class Workers:
         self.log = redis.Redis.from_url(config.log_url)
         self.processes: list[subprocess.Popen[bytes]] = []
 
-    def start(self, pools: tuple[str, ...] = ("prefork", "threads")) -> None:
+    def start(self, pools: tuple[str, ...] = ("prefork", "threads"), options: tuple[str, ...] = ()) -> None:
         env = {**os.environ, **self.config.env()}
         files = []
         for i, pool in enumerate(pools):
@@ -78,6 +78,7 @@ class Workers:
                         "INFO",
                         "--logfile",
                         str(path),
+                        *options,
                     ],
                     env=env,
                     cwd=APP_DIR,
@@ -474,3 +475,32 @@ def test_a_killed_prefork_holder_is_settled_by_the_main_process(
     workers.wait(lambda: len(workers.runs()) == 1, timeout=15, what="the waiter to run")
     assert [r["label"] for r in workers.runs()] == ["waiter"]
     assert waiter.get(timeout=5) == "waiter"
+
+
+@pytest.mark.parametrize("store", list(STORES))
+def test_a_prefork_pool_process_confirms_what_it_sent_before_it_exits(
+    make_workers: Callable[..., Workers], store: str
+) -> None:
+    """A pool process ends with ``os._exit`` (here after its one task): the runs its task sent are
+    confirmed before it is gone (docs/concepts.md#the-life-of-a-run)."""
+    workers = make_workers(brokers()[0], store)
+    workers.start(("prefork",), ("--concurrency", "1", "--max-tasks-per-child", "1"))
+    key, nobody = unique("sent"), unique("nobody")  # a queue no worker consumes: no delivery confirms
+    try:
+        pid, sent = workers.tasks["workers.send_to"].delay(key, 20, nobody).get(timeout=20)
+
+        def exited() -> bool:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return True
+            return False
+
+        workers.wait(exited, what=f"pool process {pid} to exit")
+        confirmed = {
+            w.run_id: w.confirmed for snap in workers.snapshot("workers.record", key) for w in snap.waiters
+        }
+        assert confirmed == dict.fromkeys(sent, True)
+    finally:
+        with contextlib.suppress(Exception), workers.app.connection() as conn:
+            conn.default_channel.queue_delete(nobody)

@@ -1,6 +1,6 @@
 -- claim: decide one delivery (gate.claim): admit, gate, defer a busy duplicate, or drop a
--- stale copy; housekeeping (orphaned holders, waiters long gone) first. Every answer names the
--- gated waiters that own a free slot now.
+-- stale copy; housekeeping (orphaned holders, registrations never published) first. Every
+-- answer names the waiters the store issues now (hand_on).
 --
 -- KEYS, ARGV[1..6]: the per-key layout of lib.lua
 -- ARGV[7] generation of this delivery   ARGV[8] limit   ARGV[9] lease
@@ -33,7 +33,7 @@ local function answer(decision, token, new_generation, position, takeover, woken
 end
 
 local function stale()
-  local woken = wakes(meta, now, nil)
+  local woken = hand_on(meta, now, nil)
   finish(meta)
   return answer('stale', nil, nil, nil, false, woken)
 end
@@ -48,15 +48,15 @@ local function admit(run, takeover)
   run.heartbeat_at = now
   run.lease_expires_at = now + lease
   run.executing = true
-  run.payload = nil
+  run.payload = nil -- a holder is never issued again: an evicted one ran, or runs no more
+  run.reissue_at = nil
   save_run(run)
-  local woken = wakes(meta, now, run_id)
+  local woken = hand_on(meta, now, run_id)
   finish(meta)
   return answer('admitted', run.token, nil, nil, takeover, woken)
 end
 
 local run = load_run(run_id)
-local first_sight = run == nil
 if run == nil then
   local settled = settled_generation(run_id, now)
   if settled ~= nil and settled ~= generation then
@@ -67,7 +67,7 @@ if run == nil then
   end
   -- Never registered (send_task, or a settled run re-driven): first sight (docs/concepts.md#what-other-deliveries-see).
   clear_settled(run_id)
-  run = new_waiter(meta, run_id, now, true, generation, lease, orphan_timeout, recheck)
+  run = new_waiter(meta, run_id, now, true, generation, payload or nil, 0, lease, orphan_timeout, recheck)
 elseif not contains(run.live, generation) then
   if not issued_in_a_lost_write(run, generation) then
     return stale()
@@ -85,7 +85,7 @@ if run.state == 'holding' then
     -- This copy stays live until its deferred copy is published (gate.py says why).
     run.live = sorted_generations(run.holder_generation, generation, run.generation)
     save_run(run)
-    local woken = wakes(meta, now, nil)
+    local woken = hand_on(meta, now, nil)
     finish(meta)
     return answer('busy', nil, run.generation, nil, false, woken)
   end
@@ -94,22 +94,18 @@ end
 
 take_place(run, payload or nil)
 seen(run, now)
-if first_sight then
-  save_run(run) -- into the line (at its back) before the slots are counted
-end
--- A registered run is already in the line: its slot is judged from this record (gated or
--- woken, and seen just now: not passed over) without saving it first, so an admitted run
--- writes once and its payload never reaches the store.
-for _, owner in ipairs(slot_owners(meta.limit - zcard(K.holders), now, run)) do
-  if owner[1] == run_id then
-    return admit(run, false)
-  end
+-- gate.claim saves the run here; its slot is judged without saving it first (a registered run
+-- is in the line already, a first sight's seq is past every waiter's: waiters_before counts
+-- the same), so an admitted run writes once and a delivered payload never reaches the store.
+local free = meta.limit - zcard(K.holders)
+if free > 0 and waiters_before(run.seq) < free then
+  return admit(run, false)
 end
 run.generation = next_counter(run.generation, now)
 run.live = sorted_generations(generation, run.generation)
 run.state = 'gated'
 save_run(run)
-local woken = wakes(meta, now, run_id)
+local woken = hand_on(meta, now, run_id)
 local position = waiters_before(run.seq) + 1
 finish(meta)
 return answer('gated', nil, run.generation, position, false, woken)

@@ -1,4 +1,5 @@
--- confirm: mark a registration as published (gate.confirm): it is seen now.
+-- confirm: mark a registration as published (gate.confirm): its message is on its way; the
+-- key is due by the run's reissue_at at the latest.
 --
 -- KEYS, ARGV[1..6]: the per-key layout of lib.lua
 -- Returns 1 if the run is registered (now confirmed), 0 if it is unknown.
@@ -10,7 +11,9 @@ if run == nil then
 end
 if not run.confirmed then
   run.confirmed = true
-  seen(run, K.now)
   save_run(run)
+  if has_payload(run) then
+    lower_due(load_meta(nil), run.reissue_at)
+  end
 end
 return 1

@@ -9,22 +9,25 @@
 -- Data of one scope+key, all under one hash tag (one Redis Cluster slot):
 --   P = <namespace>:{<sha1 hex of the scope and key>}:   (the user's text is never in the tag)
 --   P..'meta'              hash   scope, key (the real strings), token, seq, limit, idle_until (set
---                                 while the key has no runs: then it expires after `retention`)
+--                                 while the key has no runs: then it expires after `retention`),
+--                                 due_at (gate.KeyMeta.due_at; absent or '' for None)
 --   P..'waiters'           zset   run ids not holding a slot, scored by seq (registration order)
 --   P..'holders'           zset   run ids holding a slot, scored by token
---   P..'overdue'           zset   waiters that can be passed over, scored by passed_over_at
+--   P..'unconfirmed'       zset   unconfirmed run ids not holding a slot, scored by created_at
 --   P..'run:'..run_id      hash   one run: the fields of gate.RunRecord (see load_run)
 --   P..'settled:'..run_id  string '<generation> <expires_at>' of a settled run, expiring with it
 -- and, outside P, the namespace's index of busy keys (a key is busy while it has holders or
--- waiters: its holders or waiters zset exists):
+-- waiters: its holders or waiters zset exists) and its index of due keys:
 --   I                      set    the hash tags ('{<sha1 hex>}') of the busy keys; redis.py names
 --                                 it (RedisStore._index_key): one per namespace on one server,
 --                                 one per hash slot on Redis Cluster (in the slot of the keys it
 --                                 lists, so a script updates it atomically with their state)
+--   D                      zset   the hash tags of the keys with a due_at, scored by it
+--                                 (RedisStore._due_index_key): one per namespace or hash slot, as I
 --
 -- Per-key scripts share one KEYS layout (use_key):
---   KEYS[1] P..'meta'  KEYS[2] P..'waiters'  KEYS[3] P..'holders'  KEYS[4] P..'overdue'
---   KEYS[5] P..'run:'..ARGV[3]  KEYS[6] P..'settled:'..ARGV[3]  KEYS[7] I
+--   KEYS[1] P..'meta'  KEYS[2] P..'waiters'  KEYS[3] P..'holders'  KEYS[4] P..'unconfirmed'
+--   KEYS[5] P..'run:'..ARGV[3]  KEYS[6] P..'settled:'..ARGV[3]  KEYS[7] I  KEYS[8] D
 -- and one ARGV start:
 --   ARGV[1] scope  ARGV[2] key  ARGV[3] run id
 --   ARGV[4] the time to decide at, '' for the server's clock (TIME; only tests pass a time)
@@ -93,19 +96,24 @@ local K = {}
 -- every write to them (ZADD / ZREM answer how many members they added / removed).
 local SIZE = {}
 
--- Run ids this call evicted (holders) and removed (waiters long gone, phantoms).
+-- Run ids this call evicted (holders) and removed (abandoned waiters, phantoms).
 local EVICTED, REMOVED = {}, {}
 
+-- {lease_expires_at, orphan_timeout} of the holders this call read or wrote, by run id: a
+-- holder's eviction time (hand_on's due_at) is read at most once per call.
+local LEASES = {}
+
 -- Every per-key operation starts here. Loaded as a function library, this file's locals live
--- as long as the library, so what one call learned (SIZE, EVICTED, REMOVED) is forgotten here.
+-- as long as the library, so what one call learned (SIZE, EVICTED, REMOVED, LEASES) is forgotten here.
 local function use_key(keys, argv)
-  K.meta, K.waiters, K.holders, K.overdue = keys[1], keys[2], keys[3], keys[4]
+  K.meta, K.waiters, K.holders, K.unconfirmed = keys[1], keys[2], keys[3], keys[4]
   K.prefix = string.sub(keys[1], 1, -5) -- keys[1] is P..'meta'
   K.index, K.tag = keys[7], string.sub(keys[1], -47, -6) -- P ends with '{<40 hex>}:'
+  K.due = keys[8]
   K.scope, K.key = argv[1], argv[2]
   K.now = opt_number(argv[4]) or server_time()
   K.grace, K.retention = tonumber(argv[5]), tonumber(argv[6])
-  SIZE, EVICTED, REMOVED = {}, {}, {}
+  SIZE, EVICTED, REMOVED, LEASES = {}, {}, {}, {}
 end
 
 local function run_key(run_id)
@@ -149,20 +157,22 @@ end
 -- KeyMeta ------------------------------------------------------------------------------------
 
 -- meta.saved: the stored values, so save_meta writes only what changed (nil: a new key).
--- gate._meta: a key idle past its idle_until is forgotten, whether Redis expired it yet or not.
+-- gate._meta: a key idle past its idle_until is forgotten, whether Redis expired it yet or not;
+-- now == nil: the record as stored, idle or not (KeyTransaction.meta).
 local function load_meta(now)
-  local v = redis.call('HMGET', K.meta, 'token', 'seq', 'limit', 'idle_until')
+  local v = redis.call('HMGET', K.meta, 'token', 'seq', 'limit', 'idle_until', 'due_at')
   local idle_until = opt_number(v[4])
-  if not v[1] or (idle_until ~= nil and idle_until < now) then
+  if not v[1] or (now ~= nil and idle_until ~= nil and idle_until < now) then
     return nil
   end
-  local token, seq, limit = tonumber(v[1]), tonumber(v[2]), tonumber(v[3])
+  local token, seq, limit, due_at = tonumber(v[1]), tonumber(v[2]), tonumber(v[3]), opt_number(v[5])
   return {
     token = token,
     seq = seq,
     limit = limit,
     idle_until = idle_until,
-    saved = { token = token, seq = seq, limit = limit, idle_until = idle_until },
+    due_at = due_at,
+    saved = { token = token, seq = seq, limit = limit, idle_until = idle_until, due_at = due_at },
   }
 end
 
@@ -171,6 +181,7 @@ local function default_meta()
 end
 
 -- With meta.idle_until set the key has no runs: Redis deletes the hash `retention` from now.
+-- The due index lists the key by meta.due_at exactly while it has one (tick_due finds it there).
 local function save_meta(meta)
   local old = meta.saved or {}
   local a = {}
@@ -194,6 +205,15 @@ local function save_meta(meta)
     a[#a + 1] = 'idle_until'
     a[#a + 1] = meta.idle_until and num(meta.idle_until) or ''
   end
+  if meta.due_at ~= old.due_at then -- a new key's hash holds no due_at: None needs no write
+    a[#a + 1] = 'due_at'
+    a[#a + 1] = meta.due_at and num(meta.due_at) or ''
+    if meta.due_at ~= nil then
+      redis.call('ZADD', K.due, num(meta.due_at), K.tag)
+    else
+      redis.call('ZREM', K.due, K.tag)
+    end
+  end
   if #a > 0 then
     redis.call('HSET', K.meta, unpack(a))
   end
@@ -202,7 +222,10 @@ local function save_meta(meta)
   elseif meta.saved == nil or old.idle_until ~= nil then
     redis.call('PERSIST', K.meta) -- a forgotten key's hash may still be there, expiring
   end
-  meta.saved = { token = meta.token, seq = meta.seq, limit = meta.limit, idle_until = meta.idle_until }
+  meta.saved = {
+    token = meta.token, seq = meta.seq, limit = meta.limit, idle_until = meta.idle_until,
+    due_at = meta.due_at,
+  }
 end
 
 -- RunRecord ----------------------------------------------------------------------------------
@@ -244,12 +267,12 @@ local function sorted_generations(...)
   return out
 end
 
--- run.payload == STORED: whatever the hash holds, not read (see run_payload); nil: None.
+-- run.payload == STORED: whatever the hash holds, not read (see has_payload); nil: None.
 local STORED = {}
 
 local FIELDS = { 'seq', 'state', 'created_at', 'confirmed', 'generation', 'live', 'token', 'holder_generation',
   'admitted_at', 'heartbeat_at', 'lease_expires_at', 'executing', 'lease', 'orphan_timeout', 'recheck', 'seen_at',
-  'passed_over_at' }
+  'reissue_at' }
 
 -- run.saved: the stored values of the fields (live as its text), compared by save_run.
 local function remember(run, live_text)
@@ -285,27 +308,27 @@ local function load_run(run_id)
     orphan_timeout = opt_number(v[14]),
     recheck = tonumber(v[15]),
     seen_at = tonumber(v[16]),
-    passed_over_at = opt_number(v[17]),
+    reissue_at = opt_number(v[17]),
   }
   remember(run, v[6] or '')
   return run
 end
 
--- The fields that settling a run reads: {state, token, holder_generation, passed_over_at}, or nil.
+-- The fields that settling a run reads: {state, token, holder_generation, confirmed}, or nil.
 local function load_brief(run_id)
-  local v = redis.call('HMGET', run_key(run_id), 'state', 'token', 'holder_generation', 'passed_over_at')
+  local v = redis.call('HMGET', run_key(run_id), 'state', 'token', 'holder_generation', 'confirmed')
   if not v[1] then
     return nil
   end
-  return { state = v[1], token = tonumber(v[2]), holder_generation = tonumber(v[3]), passed_over_at = opt_number(v[4]) }
+  return { state = v[1], token = tonumber(v[2]), holder_generation = tonumber(v[3]), confirmed = v[4] == '1' }
 end
 
--- The run's payload (bytes) or nil (None), read from the hash if it was not set in this call.
-local function run_payload(run)
+-- run.payload is not None, without reading a stored payload (HEXISTS).
+local function has_payload(run)
   if run.payload == STORED then
-    run.payload = redis.call('HGET', run_key(run.run_id), 'payload') or nil
+    return redis.call('HEXISTS', run_key(run.run_id), 'payload') == 1
   end
-  return run.payload
+  return run.payload ~= nil
 end
 
 local function put(a, field, text)
@@ -321,21 +344,22 @@ local function text_of(field, value)
   elseif field == 'seq' or field == 'generation' or field == 'token' or field == 'holder_generation' then
     return int(value)
   elseif value == nil then
-    return '' -- orphan_timeout, passed_over_at: None
+    return '' -- orphan_timeout, reissue_at: None
   end
   return num(value)
 end
 
--- The passed_over_at a waiter is indexed by in 'overdue' (holders are in no such index).
-local function overdue_score(state, passed_over_at)
-  if state == 'holding' then
+-- The created_at a run is indexed by in 'unconfirmed': a waiter not confirmed yet (a holder
+-- always is).
+local function unconfirmed_score(state, confirmed, created_at)
+  if state == 'holding' or confirmed then
     return nil
   end
-  return passed_over_at
+  return created_at
 end
 
 -- save_run keeps the indexes in step with the record: holders by token, every other run among
--- the waiters by seq, and waiters with a passed_over_at among the overdue by it.
+-- the waiters by seq, and unconfirmed waiters among the unconfirmed by created_at.
 local function save_run(run)
   local key = run_key(run.run_id)
   local old = run.saved -- nil: a new record, in no index yet
@@ -352,8 +376,8 @@ local function save_run(run)
   if run.payload ~= STORED then
     if run.payload then
       put(a, 'payload', run.payload)
-    elseif old ~= nil and (old.state == 'gated' or old.state == 'woken') then
-      -- Only a delivered, not admitted run keeps a payload (claim stores it, admit drops it).
+    elseif old ~= nil and old.state ~= 'holding' then
+      -- Only a waiter keeps a payload (register and claim store it, admit drops it).
       redis.call('HDEL', key, 'payload')
     end
   end
@@ -377,24 +401,29 @@ local function save_run(run)
       zadd(K.waiters, int(run.seq), run.run_id)
     end
   end
-  local score = overdue_score(run.state, run.passed_over_at)
-  local old_score = old and overdue_score(old.state, old.passed_over_at)
+  local score = unconfirmed_score(run.state, run.confirmed, run.created_at)
+  local old_score = old and unconfirmed_score(old.state, old.confirmed, old.created_at)
   if score ~= old_score then
     if score ~= nil then
-      redis.call('ZADD', K.overdue, num(score), run.run_id)
+      redis.call('ZADD', K.unconfirmed, num(score), run.run_id)
     else
-      redis.call('ZREM', K.overdue, run.run_id)
+      redis.call('ZREM', K.unconfirmed, run.run_id)
     end
+  end
+  if run.state == 'holding' then
+    LEASES[run.run_id] = { run.lease_expires_at, run.orphan_timeout }
   end
   remember(run, live)
 end
 
--- stored: the run's stored {state} (says which indexes hold it), or nil (all of them).
+-- stored: the run's stored {state, confirmed} (says which indexes hold it), or nil (all of them).
 local function delete_run(run_id, stored)
   redis.call('DEL', run_key(run_id))
   if stored == nil or stored.state ~= 'holding' then
     zrem(K.waiters, run_id)
-    redis.call('ZREM', K.overdue, run_id)
+    if stored == nil or not stored.confirmed then
+      redis.call('ZREM', K.unconfirmed, run_id)
+    end
   end
   if stored == nil or stored.state == 'holding' then
     zrem(K.holders, run_id)
@@ -409,12 +438,8 @@ local function waiters_before(seq)
   return redis.call('ZCOUNT', K.waiters, '-inf', '(' .. int(seq))
 end
 
-local function count_passed_over(now)
-  return redis.call('ZCOUNT', K.overdue, '-inf', '(' .. num(now))
-end
-
-local function passed_over_before(before)
-  return redis.call('ZRANGEBYSCORE', K.overdue, '-inf', '(' .. num(before))
+local function unconfirmed_before(before)
+  return redis.call('ZRANGEBYSCORE', K.unconfirmed, '-inf', '(' .. num(before))
 end
 
 -- Settled markers: the expiry is checked against the store's clock; the PEXPIRE lets Redis
@@ -441,68 +466,55 @@ end
 
 -- The rules ----------------------------------------------------------------------------------
 
-local function passed_over(passed_over_at, now)
-  return passed_over_at ~= nil and passed_over_at < now
+-- gate._earliest: the earlier of two optional times.
+local function earliest(a, b)
+  if a == nil then
+    return b
+  elseif b == nil then
+    return a
+  end
+  return math.min(a, b)
 end
 
--- gate._seen: a live copy of the run (or its registration) reached the store.
-local function seen(run, now)
+-- gate._reissue_at: when the run, owning a slot with no copy of it seen meanwhile, is issued again.
+local function reissue_time(run, now, delay)
+  if run.orphan_timeout == nil then
+    return nil
+  end
+  return now + delay + run.orphan_timeout + run.recheck
+end
+
+-- gate._seen: a live copy of the run (or its registration) reached the store: it is not lost.
+-- A run sent with a delay is not expected before its delay is up.
+local function seen(run, now, delay)
   run.seen_at = now
-  if not run.confirmed then
-    run.passed_over_at = now + K.grace
-  elseif run.orphan_timeout == nil then
-    run.passed_over_at = nil
-  else
-    run.passed_over_at = now + run.orphan_timeout + run.recheck
-  end
+  run.reissue_at = reissue_time(run, now, delay or 0)
 end
 
--- The first `free` waiters in seq order that are not passed over: they own the free slots.
--- Each owner is {run_id, state}. `self` (a run of this call, or nil) is judged from its
--- in-memory record rather than the store, so a claim need not save it before asking.
--- A phantom met on the way is removed.
-local function slot_owners(free, now, self)
-  local owners = {}
-  if free <= 0 then
-    return owners
-  end
-  local start, count = 0, math.min(free, PAGE) -- most often the first `free` ids are the owners
-  while true do
-    local ids = redis.call('ZRANGE', K.waiters, start, start + count - 1)
-    local phantoms = 0
-    for _, run_id in ipairs(ids) do
-      local state, over
-      if self ~= nil and run_id == self.run_id then
-        state = self.state
-        over = passed_over(self.passed_over_at, now)
-      else
-        local v = redis.call('HMGET', run_key(run_id), 'state', 'passed_over_at')
-        state = v[1]
-        over = passed_over(opt_number(v[2]), now)
-      end
-      if not state then
-        delete_run(run_id, nil)
-        REMOVED[#REMOVED + 1] = run_id
-        phantoms = phantoms + 1
-      elseif not over then
-        owners[#owners + 1] = { run_id, state }
-        if #owners == free then
-          return owners
-        end
-      end
-    end
-    if #ids < count then
-      if start == 0 then
-        SIZE[K.waiters] = #ids - phantoms
-      end
-      return owners
-    end
-    start = start + count - phantoms
-    count = PAGE
-  end
+-- gate._issue: give a waiter a fresh live generation, to be published from its payload (given:
+-- the caller read it; false: None). Every copy in flight stays live beside it (gate.py says why).
+-- Returns the wake {run_id, generation, payload or false}.
+local function issue(run, now, payload)
+  run.generation = next_counter(run.generation, now)
+  local live = run.live
+  live[#live + 1] = run.generation
+  run.live = live
+  run.state = 'woken'
+  run.reissue_at = reissue_time(run, now, 0) -- the issued copy is expected by then
+  return { run.run_id, run.generation, payload }
 end
 
--- Evict orphaned holders and remove waiters long gone; `keep` (the caller's run) stays.
+-- gate._lower_due: make the key due by `when` at the latest (a hint: tick recomputes it).
+local function lower_due(meta, when)
+  if meta == nil or when == nil or (meta.due_at ~= nil and meta.due_at <= when) then
+    return
+  end
+  meta.due_at = when
+  save_meta(meta)
+end
+
+-- Evict orphaned holders and drop registrations never published; `keep` (the caller's run)
+-- stays. A phantom holder is evicted too. gate._housekeep.
 local function housekeep(now, keep)
   local ids = redis.call('ZRANGE', K.holders, 0, -1)
   SIZE[K.holders] = #ids
@@ -513,43 +525,127 @@ local function housekeep(now, keep)
       if not v[1] or (timeout ~= nil and tonumber(v[1]) + timeout < now) then
         delete_run(run_id, { state = 'holding' })
         EVICTED[#EVICTED + 1] = run_id
+      else
+        LEASES[run_id] = { tonumber(v[1]), timeout }
       end
     end
   end
-  for _, run_id in ipairs(passed_over_before(now - K.retention)) do
+  for _, run_id in ipairs(unconfirmed_before(now - K.grace)) do
     if run_id ~= keep then
-      delete_run(run_id, { state = 'waiting' })
-      REMOVED[#REMOVED + 1] = run_id
+      delete_run(run_id, { state = 'pending', confirmed = false })
     end
   end
 end
 
--- Gated waiters that now own a free slot get a fresh live generation to be published.
--- Each wake is {run_id, generation, payload or false (None)}.
-local function wakes(meta, now, skip)
+-- gate._hand_on: issue the waiters that own a free slot and need a copy; set meta.due_at.
+-- The first `limit - holders` waiters in line own the free slots. A confirmed gated owner is
+-- woken (its turn came). A confirmed owner with a payload none of whose copies reached the store
+-- by its reissue_at is issued again, or abandoned (removed) when nothing reached the store for
+-- `retention`. Unconfirmed owners hold their place until their grace ends. Each owner is read
+-- by HMGET of the fields the rule needs; its payload (HEXISTS otherwise) and its whole record
+-- only when it is issued; a phantom met on the way is removed.
+-- Returns the wakes, each {run_id, generation, payload or false (None)}.
+local function hand_on(meta, now, skip)
   local free = meta.limit - zcard(K.holders)
   local out = {}
-  for _, owner in ipairs(slot_owners(free, now, nil)) do
-    if owner[2] == 'gated' and owner[1] ~= skip then
-      local run = load_run(owner[1])
-      run.generation = next_counter(run.generation, now)
-      -- Every copy in flight stays live beside the wake (gate._wakes).
-      local live = run.live
-      live[#live + 1] = run.generation
-      run.live = live
-      run.state = 'woken'
-      save_run(run)
-      out[#out + 1] = { run.run_id, run.generation, run_payload(run) or false }
+  local due = nil
+  if free > 0 then
+    local owners = 0
+    local start, count = 0, math.min(free, PAGE) -- most often the first `free` ids are the owners
+    while owners < free do
+      local ids = redis.call('ZRANGE', K.waiters, start, start + count - 1)
+      local gone = 0 -- left the line on this page (phantoms, abandoned waiters)
+      for _, run_id in ipairs(ids) do
+        local key = run_key(run_id)
+        local v = redis.call('HMGET', key, 'state', 'confirmed', 'created_at', 'reissue_at', 'seen_at')
+        local state, confirmed, reissue_at = v[1], v[2] == '1', opt_number(v[4])
+        local moves_up = false -- the run leaves the line: the next waiter moves up into its slot
+        if not state then
+          delete_run(run_id, nil) -- a phantom
+          REMOVED[#REMOVED + 1] = run_id
+          moves_up = true
+        else
+          local payload = false -- read only to be issued: its presence alone otherwise
+          local with_payload = false
+          if confirmed then
+            if run_id ~= skip and (state == 'gated' or (reissue_at ~= nil and reissue_at <= now)) then
+              payload = redis.call('HGET', key, 'payload')
+              with_payload = payload ~= false
+            else
+              with_payload = redis.call('HEXISTS', key, 'payload') == 1
+            end
+          end
+          if run_id ~= skip and confirmed then
+            -- A gated owner is woken even without a payload (Celery arguments JSON cannot
+            -- carry): the wake is not published, its deferred copy re-checks it.
+            local issuing = state == 'gated'
+            if not issuing and with_payload and reissue_at ~= nil and reissue_at <= now then
+              if now - tonumber(v[5]) > K.retention then
+                delete_run(run_id, { state = state, confirmed = true })
+                REMOVED[#REMOVED + 1] = run_id
+                moves_up = true
+              else
+                issuing = true
+              end
+            end
+            if issuing then
+              local run = load_run(run_id)
+              out[#out + 1] = issue(run, now, payload)
+              save_run(run)
+              reissue_at = run.reissue_at
+            end
+          end
+          if not moves_up then
+            if not confirmed then
+              due = earliest(due, tonumber(v[3]) + K.grace)
+            elseif with_payload then
+              due = earliest(due, reissue_at)
+            end
+            owners = owners + 1
+            if owners == free then
+              break
+            end
+          end
+        end
+        if moves_up then
+          gone = gone + 1
+        end
+      end
+      if owners < free then
+        if #ids < count then
+          if start == 0 then
+            SIZE[K.waiters] = #ids - gone
+          end
+          break
+        end
+        start = start + count - gone
+        count = PAGE
+      end
     end
   end
+  if zcard(K.waiters) > 0 and zcard(K.holders) > 0 then -- a holder's eviction would hand its slot on
+    for _, run_id in ipairs(redis.call('ZRANGE', K.holders, 0, -1)) do
+      local lease = LEASES[run_id]
+      if lease == nil then
+        local v = redis.call('HMGET', run_key(run_id), 'lease_expires_at', 'orphan_timeout')
+        lease = { tonumber(v[1]), opt_number(v[2]) }
+      end
+      if lease[1] ~= nil and lease[2] ~= nil then
+        due = earliest(due, lease[1] + lease[2])
+      end
+    end
+  end
+  meta.due_at = due
   return out
 end
 
--- A waiter whose message is known (delivered, or published held back) keeps it to be woken;
--- a pending one becomes gated: it takes its place in line again (docs/concepts.md#passed-over-waiters). gate._take_place.
+-- gate._take_place: a delivered waiter: its message was published, and the delivered copy is
+-- the one to issue (payload nil: the stored one stays).
 local function take_place(run, payload)
   run.confirmed = true
-  run.payload = payload
+  if payload ~= nil then
+    run.payload = payload
+  end
   if run.state == 'pending' then
     run.state = 'gated'
   end
@@ -557,14 +653,14 @@ end
 
 -- Save the counters; an empty key is forgotten after `retention` (the zsets vanish when empty).
 -- Every script that adds or removes a run ends here (confirm, suspend and heartbeat only change
--- runs already in line; park may remove a phantom, but its own pending run stays), so the busy
--- index is kept exact here: the key is in it exactly while it has runs (SADD/SREM are
--- idempotent; an empty index set vanishes with its last member). A new script that adds or
--- removes runs must end with finish too.
+-- runs already in line), so the busy index is kept exact here: the key is in it exactly while
+-- it has runs (SADD/SREM are idempotent; an empty index set vanishes with its last member). A
+-- new script that adds or removes runs must end with finish too. gate._finish.
 local function finish(meta)
   if zcard(K.holders) == 0 and zcard(K.waiters) == 0 then
     meta.seq = 0
     meta.idle_until = K.now + K.retention
+    meta.due_at = nil
     redis.call('SREM', K.index, K.tag)
   else
     meta.idle_until = nil
@@ -573,7 +669,9 @@ local function finish(meta)
   save_meta(meta)
 end
 
-local function new_waiter(meta, run_id, now, confirmed, generation, lease, orphan_timeout, recheck)
+-- gate._new_waiter; payload nil: None.
+local function new_waiter(meta, run_id, now, confirmed, generation, payload, delay, lease, orphan_timeout,
+                          recheck)
   meta.seq = meta.seq + 1
   local run = {
     run_id = run_id,
@@ -583,7 +681,7 @@ local function new_waiter(meta, run_id, now, confirmed, generation, lease, orpha
     confirmed = confirmed,
     generation = generation,
     live = { generation },
-    payload = nil,
+    payload = payload,
     token = 0,
     holder_generation = 0,
     admitted_at = 0,
@@ -594,7 +692,7 @@ local function new_waiter(meta, run_id, now, confirmed, generation, lease, orpha
     orphan_timeout = orphan_timeout,
     recheck = recheck,
   }
-  seen(run, now)
+  seen(run, now, delay)
   return run
 end
 

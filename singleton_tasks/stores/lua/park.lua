@@ -1,17 +1,20 @@
 -- park: a registration published held back waits gated with its payload (gate.park).
--- Only a pending run is parked; one already delivered is left to its delivery.
+-- Only a pending run with a payload is parked; one already delivered is left to its delivery.
 --
 -- KEYS, ARGV[1..6]: the per-key layout of lib.lua
--- ARGV[7] payload (bytes)
 -- Returns the wakes, a list of {run_id, generation, payload or false}: the run itself among
 -- them if a slot freed since it registered.
 
 use_key(KEYS, ARGV)
 local run = load_run(ARGV[3])
-if run == nil or run.state ~= 'pending' then
+if run == nil or run.state ~= 'pending' or not has_payload(run) then
   return {}
 end
-take_place(run, ARGV[7])
-seen(run, K.now)
+local now = K.now
+take_place(run, nil)
+seen(run, now)
 save_run(run)
-return wakes(load_meta(K.now) or default_meta(), K.now, nil)
+local meta = load_meta(now) or default_meta()
+local woken = hand_on(meta, now, nil)
+finish(meta)
+return woken

@@ -1,28 +1,46 @@
--- register: a pending waiter, atomically with the backlog cap (gate.register; docs/concepts.md#the-life-of-a-run).
+-- register: a pending waiter with its payload, atomically with the backlog cap (gate.register;
+-- docs/concepts.md#the-life-of-a-run). Every registered run counts until it settles;
+-- registrations never published (unconfirmed past their grace) are dropped first.
 --
 -- KEYS, ARGV[1..6]: the per-key layout of lib.lua
 -- ARGV[7] confirmed '1'/'0'   ARGV[8] limit   ARGV[9] max_queue_depth ('' = unbounded)
 -- ARGV[10] lease   ARGV[11] orphan_timeout ('' = never)   ARGV[12] recheck
+-- ARGV[13] '1' if a payload is given, '0' for None   ARGV[14] payload (bytes)
+-- ARGV[15] delay (seconds the run's message is delayed by)
 -- Returns {status, in_flight}: status 'registered' | 'exists' | 'full'; in_flight counts
--- holders + waiters after the call (waiters passed over left out of 'full' and 'registered').
+-- holders + waiters after the call (registrations never published left out of 'full' and
+-- 'registered').
 
 use_key(KEYS, ARGV)
 local run_id = ARGV[3]
 local now = K.now
 local limit = tonumber(ARGV[8])
 local depth = opt_number(ARGV[9])
+local payload = nil
+if ARGV[13] == '1' then
+  payload = ARGV[14]
+end
 
 if redis.call('EXISTS', run_key(run_id)) == 1 then
   return { 'exists', count_runs() }
 end
-local in_flight = count_runs() - count_passed_over(now)
+local never_published = unconfirmed_before(now - K.grace)
+local in_flight = count_runs() - #never_published
 if depth ~= nil and in_flight >= limit + depth then
   return { 'full', in_flight }
 end
-local meta = load_meta(K.now) or default_meta()
+for _, id in ipairs(never_published) do
+  delete_run(id, { state = 'pending', confirmed = false })
+end
+local meta = load_meta(now) or default_meta()
 meta.limit = limit
 clear_settled(run_id)
-save_run(new_waiter(meta, run_id, now, ARGV[7] == '1', 0, tonumber(ARGV[10]), opt_number(ARGV[11]),
-  tonumber(ARGV[12])))
+local confirmed = ARGV[7] == '1'
+local run = new_waiter(meta, run_id, now, confirmed, 0, payload, tonumber(ARGV[15]), tonumber(ARGV[10]),
+  opt_number(ARGV[11]), tonumber(ARGV[12]))
+save_run(run)
+if confirmed and payload ~= nil then
+  meta.due_at = earliest(meta.due_at, run.reissue_at)
+end
 finish(meta)
 return { 'registered', in_flight + 1 }

@@ -1,5 +1,5 @@
 -- release: settle a run (gate.release): free its slot or its place in line, remember its
--- live generation for `retention`, and name the gated waiters that now own a free slot.
+-- live generation for `retention`, and name the waiters the store issues now (hand_on).
 --
 -- KEYS, ARGV[1..6]: the per-key layout of lib.lua
 -- ARGV[7] token ('' = None: settle whatever the run is)   ARGV[8] generation ('' = None)
@@ -19,9 +19,9 @@ housekeep(now, run_id)
 local run = load_brief(run_id)
 if run == nil and token == nil and not waiting_only and (zrem(K.holders, run_id) + zrem(K.waiters, run_id)) > 0 then
   -- A phantom (its data lost by the server) released by an operator: gone from the indexes.
-  redis.call('ZREM', K.overdue, run_id)
+  redis.call('ZREM', K.unconfirmed, run_id)
   mark_settled(run_id, generation or -1, now + K.retention)
-  local woken = wakes(meta, now, nil)
+  local woken = hand_on(meta, now, nil)
   finish(meta)
   return { 1, 0, woken, EVICTED, REMOVED }
 end
@@ -30,7 +30,7 @@ if run == nil or (token ~= nil and (run.state ~= 'holding' or run.token ~= token
   -- Settled already (idempotent: async interrupts settle twice), taken from us, or (only a
   -- waiter to settle) admitted meanwhile by another copy.
   local lost = token ~= nil and (run ~= nil or settled_generation(run_id, now) == nil)
-  local woken = wakes(meta, now, nil)
+  local woken = hand_on(meta, now, nil)
   finish(meta)
   return { 0, lost and 1 or 0, woken, EVICTED, REMOVED }
 end
@@ -40,6 +40,6 @@ if run.state == 'holding' then
   settled = run.holder_generation
 end
 mark_settled(run_id, settled, now + K.retention)
-local woken = wakes(meta, now, nil)
+local woken = hand_on(meta, now, nil)
 finish(meta)
 return { 1, 0, woken, EVICTED, REMOVED }
