@@ -37,8 +37,9 @@ Glossary (docs/concepts.md has the user's account of each):
   after its delay for a run sent with one) is issued again: its copies may be lost (a purged
   queue, a lost wake). Copies issued twice never run twice: one is admitted, the rest are stale.
 - *abandoned*: a waiter due for a re-issue that no copy reached for the store's ``retention``
-  (its task is gone from every worker, its payload cannot be published): removed, reported in
-  ``removed``. Only settling, the operator and this remove a waiter.
+  and that was issued at least once (or has no payload to be issued from): its task is gone
+  from every worker, its payload cannot be published. Removed, reported in ``removed``. Only
+  settling, the operator and this remove a waiter.
 - *held back*: a message published with a delay by the library (Celery's held-back waiters);
   its registration is *parked* (:func:`park`): it waits gated, so its turn wakes it at once.
 - *first sight*: a delivery of a run the store does not know (Celery's ``send_task``, a task
@@ -344,6 +345,17 @@ def _issue(run: RunRecord, now: float, scope: str, key: str) -> Wake:
     return Wake(scope, key, run.run_id, run.generation, run.payload)
 
 
+def _own_due(run: RunRecord, timings: Timings) -> float | None:
+    """When a confirmed waiter that owns a slot has work of its own: its re-issue, or (with no
+    payload to be issued from) its abandonment. None for an unconfirmed one: the next call on
+    its key drops it, and a waiter behind it is due by its own deadline."""
+    if not run.confirmed or run.reissue_at is None:
+        return None
+    if run.payload is not None:
+        return run.reissue_at
+    return max(run.reissue_at, run.seen_at + timings.retention)
+
+
 def _lower_due(tx: KeyTransaction, meta: KeyMeta | None, when: float | None) -> None:
     """Make the key due by ``when`` at the latest (a hint: :func:`tick` recomputes it)."""
     if meta is None or when is None or (meta.due_at is not None and meta.due_at <= when):
@@ -403,26 +415,38 @@ def _hand_on(
                     # published: its deferred copy re-checks it.
                     wakes.append(_issue(run, now, scope, key))
                     tx.save_run(run)
-                elif run.payload is not None and run.reissue_at is not None and run.reissue_at <= now:
-                    if now - run.seen_at > timings.retention:
+                elif run.reissue_at is not None and run.reissue_at <= now:
+                    # Abandoned once issued at least once (a delay longer than retention still
+                    # gets its issue) or when it cannot be issued at all (no payload).
+                    if now - run.seen_at > timings.retention and (
+                        run.state is RunState.WOKEN or run.payload is None
+                    ):
                         tx.delete_run(run.run_id)
                         done.removed.append(run.run_id)
                         continue  # the next waiter moves up into its slot
-                    wakes.append(_issue(run, now, scope, key))
-                    tx.save_run(run)
+                    if run.payload is not None:
+                        wakes.append(_issue(run, now, scope, key))
+                        tx.save_run(run)
             if not run.confirmed:
                 due = _earliest(due, run.created_at + timings.registration_grace)
-            elif run.payload is not None:
-                due = _earliest(due, run.reissue_at)
+            else:
+                due = _earliest(due, _own_due(run, timings))
             owners += 1
             if owners == free:
                 break
     if tx.count_runs() > len(holders):  # a holder's eviction would hand its slot on
-        for holder in holders:
-            if holder.orphan_timeout is not None:
-                due = _earliest(due, holder.lease_expires_at + holder.orphan_timeout)
+        due = _earliest(due, _eviction_due(holders))
     meta.due_at = due
     return wakes
+
+
+def _eviction_due(holders: Sequence[RunRecord]) -> float | None:
+    """The earliest time one of ``holders`` can be evicted (None: none can)."""
+    due: float | None = None
+    for holder in holders:
+        if holder.orphan_timeout is not None:
+            due = _earliest(due, holder.lease_expires_at + holder.orphan_timeout)
+    return due
 
 
 def _take_place(run: RunRecord, payload: bytes | None) -> None:
@@ -508,11 +532,13 @@ def register(
         tx.delete_run(run_id)
     meta = _meta(tx, now)
     meta.limit = spec.limit
+    holders = tx.holders()
+    if tx.count_runs() == len(holders):  # the first waiter: a holder's eviction now hands it on
+        meta.due_at = _earliest(meta.due_at, _eviction_due(holders))
     tx.clear_settled(spec.run_id)
     run = _new_waiter(spec, meta, now, confirmed=confirmed, generation=0, payload=payload, delay=delay)
     tx.save_run(run)
-    if confirmed and payload is not None:
-        meta.due_at = _earliest(meta.due_at, run.reissue_at)
+    meta.due_at = _earliest(meta.due_at, _own_due(run, timings))
     _finish(tx, meta, now, timings)
     return RegisterOutcome(Registered.REGISTERED, in_flight + 1)
 
@@ -524,8 +550,7 @@ def confirm(tx: KeyTransaction, run_id: str, *, timings: Timings) -> bool:
         return run is not None
     run.confirmed = True
     tx.save_run(run)
-    if run.payload is not None:
-        _lower_due(tx, tx.meta(), run.reissue_at)
+    _lower_due(tx, tx.meta(), _own_due(run, timings))
     return True
 
 
@@ -556,7 +581,9 @@ def unregister(tx: KeyTransaction, run_id: str, *, timings: Timings) -> bool:
         return False
     tx.delete_run(run_id)
     now = tx.now()
-    _finish(tx, _meta(tx, now), now, timings)
+    meta = _meta(tx, now)
+    meta.due_at = now  # the line moved: the next heartbeat recomputes what is due
+    _finish(tx, meta, now, timings)
     return True
 
 

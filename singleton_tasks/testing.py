@@ -1253,6 +1253,33 @@ class _TimeRules(_Contract):
         # A copy that still comes is a new claim at the back of the line, not lost.
         assert at(store, T0 + 611).claim(gone, 0, b"gone").decision is Decision.GATED
 
+    def test_the_line_never_sticks_behind_a_run_that_cannot_be_issued(self, make_store: StoreFactory) -> None:
+        """A lost run with no payload (Celery arguments JSON cannot carry) is abandoned after
+        ``retention`` rather than holding its key forever; a run delayed longer than retention is
+        issued once before it can be abandoned."""
+        store = make_store(timings=Timings(retention=500.0))
+        bare, behind = spec("bare", orphan=100.0, recheck=10.0), spec("behind", orphan=100.0, recheck=10.0)
+        registered(store, bare, T0)  # no payload, its message lost
+        gated(store, behind, 0, T0 + 1, b"behind", position=2)
+        assert at(store, T0 + 499).tick_due() == []
+        due = at(store, T0 + 500.5).tick_due()
+        assert [(d.removed, woken(d.wakes)) for d in due] == [(("bare",), ["behind"])]
+        late = spec("late", key="k2", orphan=100.0, recheck=10.0)
+        registered(store, late, T0, payload=b"late", delay=1000.0)
+        issued = [woken(d.wakes) for d in at(store, T0 + 1110.5).tick_due() if d.key == "k2"]
+        assert issued == [["late"]]
+        assert [d.removed for d in at(store, T0 + 1221).tick_due() if d.key == "k2"] == [("late",)]
+
+    def test_a_waiter_behind_a_dead_holder_makes_the_key_due_for_its_eviction(
+        self, make_store: StoreFactory
+    ) -> None:
+        store = make_store()
+        admitted(store, spec("dead", lease=10.0, orphan=30.0), 0, T0)
+        registered(store, spec("next", orphan=100.0), T0 + 20, payload=b"next", delay=45.0)
+        due = at(store, T0 + 40.5).tick_due()
+        assert [(d.evicted, woken(d.wakes)) for d in due] == [(("dead",), [])]
+        assert holders(store, T0 + 41) == [] and waiters(store, T0 + 41) == ["next"]
+
     def test_tick_due_evicts_an_orphaned_holder_and_issues_the_next(self, make_store: StoreFactory) -> None:
         """A key nobody calls still moves: its dead holder is evicted and the next run issued."""
         store = make_store()

@@ -224,34 +224,34 @@ class Model:
                     # Without a payload its wake is not published: its deferred copy re-checks it.
                     event(f"a gated owner is woken{'' if run.payload else ' (no payload)'}")
                     out.append(self.issue(key, run, now))
-                elif run.payload is not None and self.reissue_due(run, now):
-                    if self.abandoned(run, now):
-                        event("an owner is abandoned")
+                elif self.reissue_due(run, now):
+                    # Abandoned once issued at least once, or when it has nothing to be issued from.
+                    if self.abandoned(run, now) and (run.state is RunState.WOKEN or run.payload is None):
+                        event(f"an owner is abandoned{'' if run.payload else ' (no payload)'}")
                         k.remove(run.run_id)
                         removed.append(run.run_id)
                         break  # the owners change: look again
-                    event(f"a {run.state.value} owner is issued again")
-                    out.append(self.issue(key, run, now))
+                    if run.payload is not None:
+                        event(f"a {run.state.value} owner is issued again")
+                        out.append(self.issue(key, run, now))
             else:
                 return out
 
     def has_work(self, key: str, now: float) -> bool:
         """Whether the key has work due strictly before ``now``: an orphaned holder with waiters
-        behind it, an unconfirmed owner past its grace, or an owner whose copies are lost."""
+        behind it, an owner whose copies are lost (issued again), or a payload-less owner
+        unseen for RETENTION (abandoned). A registration never published is dropped by the next
+        call on its key, by no call of its own: alone it blocks nobody, and a waiter behind it
+        is due by its own deadline."""
         k = self.keys.get(key)
         if k is None or not k.runs:
             return False
         if k.line() and self.orphaned(k, now):
             return True
         for run in self.owners(k, now):
-            if not run.confirmed and run.created_at + GRACE < now:
-                return True
-            if (
-                run.confirmed
-                and run.payload is not None
-                and run.reissue_at is not None
-                and run.reissue_at < now
-            ):
+            if not run.confirmed or run.reissue_at is None or not run.reissue_at < now:
+                continue
+            if run.payload is not None or now - run.seen_at > RETENTION:
                 return True
         return False
 

@@ -441,7 +441,6 @@ def _describe(run: HolderView | WaiterView) -> str:
     return f"waiter (position {run.position}, {run.state.value})"
 
 
-
 def _confirm_and_broker_options(command: Callable[..., Any]) -> Callable[..., Any]:
     """``--yes`` and ``--broker`` of the commands that settle runs (``release``, ``drop-waiters``)."""
     command = click.option(
@@ -452,6 +451,7 @@ def _confirm_and_broker_options(command: Callable[..., Any]) -> Callable[..., An
         help="Dramatiq broker (redis://… or amqp://…) to publish the woken waiters' messages on at once.",
     )(command)
     return click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")(command)
+
 
 @cli.command()
 @store_options

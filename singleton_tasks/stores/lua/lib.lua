@@ -331,6 +331,18 @@ local function has_payload(run)
   return run.payload ~= nil
 end
 
+-- gate._own_due: when a confirmed waiter that owns a slot has work of its own: its re-issue,
+-- or (no payload to be issued from) its abandonment; nil for an unconfirmed one.
+local function own_due(run)
+  if not run.confirmed or run.reissue_at == nil then
+    return nil
+  end
+  if has_payload(run) then
+    return run.reissue_at
+  end
+  return math.max(run.reissue_at, run.seen_at + K.retention)
+end
+
 local function put(a, field, text)
   a[#a + 1] = field
   a[#a + 1] = text
@@ -537,6 +549,22 @@ local function housekeep(now, keep)
   end
 end
 
+-- gate._eviction_due: the earliest time one of the key's holders can be evicted (nil: none can).
+local function eviction_due()
+  local due = nil
+  for _, run_id in ipairs(redis.call('ZRANGE', K.holders, 0, -1)) do
+    local lease = LEASES[run_id]
+    if lease == nil then
+      local v = redis.call('HMGET', run_key(run_id), 'lease_expires_at', 'orphan_timeout')
+      lease = { tonumber(v[1]), opt_number(v[2]) }
+    end
+    if lease[1] ~= nil and lease[2] ~= nil then
+      due = earliest(due, lease[1] + lease[2])
+    end
+  end
+  return due
+end
+
 -- gate._hand_on: issue the waiters that own a free slot and need a copy; set meta.due_at.
 -- The first `limit - holders` waiters in line own the free slots. A confirmed gated owner is
 -- woken (its turn came). A confirmed owner with a payload none of whose copies reached the store
@@ -579,12 +607,13 @@ local function hand_on(meta, now, skip)
             -- A gated owner is woken even without a payload (Celery arguments JSON cannot
             -- carry): the wake is not published, its deferred copy re-checks it.
             local issuing = state == 'gated'
-            if not issuing and with_payload and reissue_at ~= nil and reissue_at <= now then
-              if now - tonumber(v[5]) > K.retention then
+            if not issuing and reissue_at ~= nil and reissue_at <= now then
+              -- Abandoned once issued at least once, or when it cannot be issued (no payload).
+              if now - tonumber(v[5]) > K.retention and (state == 'woken' or not with_payload) then
                 delete_run(run_id, { state = state, confirmed = true })
                 REMOVED[#REMOVED + 1] = run_id
                 moves_up = true
-              else
+              elseif with_payload then
                 issuing = true
               end
             end
@@ -598,8 +627,10 @@ local function hand_on(meta, now, skip)
           if not moves_up then
             if not confirmed then
               due = earliest(due, tonumber(v[3]) + K.grace)
-            elseif with_payload then
+            elseif with_payload then -- own_due, from the fields read here
               due = earliest(due, reissue_at)
+            elseif reissue_at ~= nil then -- only its abandonment is to come
+              due = earliest(due, math.max(reissue_at, tonumber(v[5]) + K.retention))
             end
             owners = owners + 1
             if owners == free then
@@ -624,16 +655,7 @@ local function hand_on(meta, now, skip)
     end
   end
   if zcard(K.waiters) > 0 and zcard(K.holders) > 0 then -- a holder's eviction would hand its slot on
-    for _, run_id in ipairs(redis.call('ZRANGE', K.holders, 0, -1)) do
-      local lease = LEASES[run_id]
-      if lease == nil then
-        local v = redis.call('HMGET', run_key(run_id), 'lease_expires_at', 'orphan_timeout')
-        lease = { tonumber(v[1]), opt_number(v[2]) }
-      end
-      if lease[1] ~= nil and lease[2] ~= nil then
-        due = earliest(due, lease[1] + lease[2])
-      end
-    end
+    due = earliest(due, eviction_due())
   end
   meta.due_at = due
   return out

@@ -34,13 +34,14 @@ for _, id in ipairs(never_published) do
 end
 local meta = load_meta(now) or default_meta()
 meta.limit = limit
+if zcard(K.waiters) == 0 and zcard(K.holders) > 0 then -- the first waiter: an eviction hands it on
+  meta.due_at = earliest(meta.due_at, eviction_due())
+end
 clear_settled(run_id)
 local confirmed = ARGV[7] == '1'
 local run = new_waiter(meta, run_id, now, confirmed, 0, payload, tonumber(ARGV[15]), tonumber(ARGV[10]),
   opt_number(ARGV[11]), tonumber(ARGV[12]))
 save_run(run)
-if confirmed and payload ~= nil then
-  meta.due_at = earliest(meta.due_at, run.reissue_at)
-end
+meta.due_at = earliest(meta.due_at, own_due(run))
 finish(meta)
 return { 'registered', in_flight + 1 }

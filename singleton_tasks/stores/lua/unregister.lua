@@ -10,5 +10,7 @@ if run == nil or run.state ~= 'pending' then
   return 0
 end
 delete_run(ARGV[3], run)
-finish(load_meta(K.now) or default_meta())
+local meta = load_meta(K.now) or default_meta()
+meta.due_at = K.now -- the line moved: the next heartbeat recomputes what is due
+finish(meta)
 return 1
