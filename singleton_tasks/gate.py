@@ -533,12 +533,17 @@ def register(
     meta = _meta(tx, now)
     meta.limit = spec.limit
     holders = tx.holders()
-    if tx.count_runs() == len(holders):  # the first waiter: a holder's eviction now hands it on
+    ahead = tx.count_runs() - len(holders)  # waiters before the new run
+    if ahead == 0:  # the first waiter: a holder's eviction now hands it on
         meta.due_at = _earliest(meta.due_at, _eviction_due(holders))
     tx.clear_settled(spec.run_id)
     run = _new_waiter(spec, meta, now, confirmed=confirmed, generation=0, payload=payload, delay=delay)
     tx.save_run(run)
     meta.due_at = _earliest(meta.due_at, _own_due(run, timings))
+    if not confirmed and ahead < meta.limit - len(holders):
+        # An owner whose publish may never happen: dropped at its grace's end even if nothing
+        # else calls the key (one tick, and none if it settles first).
+        meta.due_at = _earliest(meta.due_at, now + timings.registration_grace)
     _finish(tx, meta, now, timings)
     return RegisterOutcome(Registered.REGISTERED, in_flight + 1)
 

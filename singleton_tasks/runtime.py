@@ -175,8 +175,8 @@ class Gatekeeper:
         self._confirmer: _Confirmer | None = None
         self._spec_cache: dict[BoundSingleton, RunSpec] = {}
         #: Publishes the wakes of a key's own due work (the heartbeat thread's
-        #: :meth:`Store.tick_due`): set by the adapter of a worker process. Without it the due
-        #: work is still done (evictions, abandoned waiters) and the wakes wait for the next call.
+        #: :meth:`Store.tick_due`): set by the adapter of a worker process. Without it this
+        #: process's heartbeat thread leaves the due work to the workers.
         self.publish_wakes: Callable[[Sequence[Wake]], object] | None = None
 
     # -- the store, one per process --------------------------------------------------------
@@ -686,7 +686,14 @@ class _Heartbeater:
         return lost
 
     def tick(self) -> None:
-        """The due work of keys nobody calls (:meth:`Gatekeeper.tick_due`), for at most SWEEP_SLICE."""
+        """The due work of keys nobody calls (:meth:`Gatekeeper.tick_due`), for at most SWEEP_SLICE.
+
+        Only where the adapter publishes what the store issues (a worker's process, not a
+        producer whose thread retries a settlement): a copy issued and not published would wait
+        another bound.
+        """
+        if self._gatekeeper.publish_wakes is None:
+            return
         until = time.monotonic() + SWEEP_SLICE
         try:
             while self._gatekeeper.tick_due() >= TICK_BATCH and time.monotonic() < until:

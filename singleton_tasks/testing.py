@@ -1270,6 +1270,15 @@ class _TimeRules(_Contract):
         assert issued == [["late"]]
         assert [d.removed for d in at(store, T0 + 1221).tick_due() if d.key == "k2"] == [("late",)]
 
+    def test_a_registration_never_published_leaves_even_a_key_nobody_calls(
+        self, make_store: StoreFactory
+    ) -> None:
+        store = make_store(timings=Timings(registration_grace=5.0))
+        registered(store, spec("ghost"), T0, confirmed=False, payload=b"ghost")
+        assert at(store, T0 + 4).tick_due() == [] and waiters(store, T0 + 4) == ["ghost"]
+        assert at(store, T0 + 5.5).tick_due() == []  # dropped silently: it never ran, never will
+        assert at(store, T0 + 5.5).snapshot() == []
+
     def test_a_waiter_behind_a_dead_holder_makes_the_key_due_for_its_eviction(
         self, make_store: StoreFactory
     ) -> None:

@@ -1178,3 +1178,24 @@ def test_a_run_whose_every_copy_was_lost_is_issued_again_by_the_worker(
         assert lost.get(interval=0.01, timeout=15) == "lost"
         assert job.delay("next").get(interval=0.01, timeout=10) == "next"
     assert journal.labels() == ["lost", "next"] and journal.overlaps == []
+
+
+def test_options_only_the_producer_uses_never_fail_the_send(store: Store, journal: Journal) -> None:
+    """A Queue object, an eta given as text: the message is fine; the send works as in Celery."""
+    import datetime
+
+    from kombu import Queue
+
+    app = make_app(store)
+
+    @app.task(base=SingletonTask, singleton={"key": "k"}, name=unique(), shared=False)
+    def job(label: str) -> str:
+        with journal.body(label, "k"):
+            return label
+
+    queued_on = job.apply_async(("queue object",), queue=Queue(app.conf.task_default_queue))
+    eta = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=0.2)
+    timed = job.apply_async(("eta text",), eta=eta.isoformat(), countdown=0)
+    with worker(app):
+        assert queued_on.get(interval=0.01, timeout=10) == "queue object"
+        assert timed.get(interval=0.01, timeout=10) == "eta text"

@@ -36,6 +36,7 @@ from celery import states as celery_states
 from celery.canvas import Signature
 from celery.exceptions import Ignore, Reject
 from celery.utils import uuid
+from celery.utils.time import maybe_iso8601
 from kombu.utils import json as _kombu_json
 
 from .. import admission, clock
@@ -161,10 +162,18 @@ class _DueWork(bootsteps.StartStopStep):  # type: ignore[misc]
     requires = ("celery.worker.components:Pool", _SchemaCheck)  # its check closes the store
 
     def start(self, worker: Any) -> None:
-        app = worker.app
-        gatekeeper = gatekeeper_for(app)
-        gatekeeper.publish_wakes = lambda wakes: _publish_wakes(app, wakes)
-        gatekeeper.heartbeats.start()
+        _start_due_work(worker.app)
+
+
+def _start_due_work(app: Celery) -> None:
+    """Publish the copies the store issues from this process's heartbeat thread, and start it.
+
+    Only the worker's main process does: a prefork pool's processes were forked before, and
+    their heartbeat threads leave the due work alone.
+    """
+    gatekeeper = gatekeeper_for(app)
+    gatekeeper.publish_wakes = lambda wakes: _publish_wakes(app, wakes)
+    gatekeeper.heartbeats.start()
 
 
 def gatekeeper_for(app: Celery) -> Gatekeeper:
@@ -346,7 +355,9 @@ class SingletonTask(Task):  # type: ignore[misc]
             )
         except Exception as error:
             serializer = options.get("serializer") or self.serializer or self._get_app().conf.task_serializer
-            if serializer != "json":
+            if serializer != "json" or _json_can_carry(args, kwargs):
+                # Another serializer, or an option only the producer uses (a Queue object, a
+                # connection): the message is fine, but the store cannot issue the run itself.
                 logger.debug("%s run %s has no payload for a wake", self.name, run_id, exc_info=True)
                 return None
             raise SingletonPayloadError(
@@ -608,9 +619,17 @@ def _connect_signals() -> None:
     signals.task_failure.connect(_on_failure, weak=False, dispatch_uid="singleton_tasks.failure")
     # A prefork pool process ends with os._exit inside billiard's worker loop: no atexit and no
     # multiprocessing finalizer runs there, only this signal. Sends of its tasks stay confirmed.
+    # Without install() no bootstep is added: a `celery worker` command still sends worker_ready.
+    signals.worker_ready.connect(_on_worker_ready, weak=False, dispatch_uid="singleton_tasks.worker_ready")
     signals.worker_process_shutdown.connect(
         _on_process_shutdown, weak=False, dispatch_uid="singleton_tasks.process_shutdown"
     )
+
+
+def _on_worker_ready(sender: Any = None, **_: Any) -> None:
+    app = getattr(sender, "app", None)
+    if app is not None and any(isinstance(task, SingletonTask) for task in list(app.tasks.values())):
+        _start_due_work(app)
 
 
 def _on_process_shutdown(**_: Any) -> None:
@@ -675,6 +694,14 @@ def _signature_for(
     return task.signature(args, kwargs, **signature_options, task_id=run_id)
 
 
+def _json_can_carry(args: Any, kwargs: Any) -> bool:
+    try:
+        _json.dumps([args, kwargs])
+    except Exception:
+        return False
+    return True
+
+
 def _json_payload(built: Signature) -> bytes:
     """``built`` as the JSON a wake publishes (its generation header left out); raises when an
     argument or option JSON cannot carry."""
@@ -685,22 +712,20 @@ def _json_payload(built: Signature) -> bytes:
 
 
 def _delay_of(options: Mapping[str, Any]) -> float:
-    """Seconds a run published with these options waits before its delivery (countdown / eta)."""
+    """Seconds a run published with these options waits before its delivery (countdown / eta),
+    read as Celery reads them: a countdown that is 0 leaves the eta in force, a naive eta is UTC."""
     countdown = options.get("countdown")
-    if isinstance(countdown, (int, float)) and not isinstance(countdown, bool):
+    if countdown and isinstance(countdown, (int, float)) and not isinstance(countdown, bool):
         return max(0.0, float(countdown))
-    eta = options.get("eta")
-    if isinstance(eta, str):
-        try:
-            eta = datetime.datetime.fromisoformat(eta)
-        except ValueError:
-            return 0.0
-    if isinstance(eta, datetime.datetime):
-        now = datetime.datetime.fromtimestamp(clock.now(), tz=eta.tzinfo or datetime.timezone.utc)
-        if eta.tzinfo is None:  # Celery reads a naive eta in its app's timezone; UTC is the default
-            eta = eta.replace(tzinfo=datetime.timezone.utc)
-        return max(0.0, (eta - now).total_seconds())
-    return 0.0
+    try:
+        eta = maybe_iso8601(options.get("eta"))
+    except (TypeError, ValueError):
+        return 0.0
+    if not isinstance(eta, datetime.datetime):
+        return 0.0
+    if eta.tzinfo is None:
+        eta = eta.replace(tzinfo=datetime.timezone.utc)
+    return max(0.0, eta.timestamp() - clock.now())
 
 
 def _encoded_payload(task: SingletonTask, run_id: str, signature: Callable[[], Signature]) -> bytes | None:

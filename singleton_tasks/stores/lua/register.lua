@@ -34,7 +34,8 @@ for _, id in ipairs(never_published) do
 end
 local meta = load_meta(now) or default_meta()
 meta.limit = limit
-if zcard(K.waiters) == 0 and zcard(K.holders) > 0 then -- the first waiter: an eviction hands it on
+local ahead = zcard(K.waiters) -- waiters before the new run
+if ahead == 0 and zcard(K.holders) > 0 then -- the first waiter: an eviction hands it on
   meta.due_at = earliest(meta.due_at, eviction_due())
 end
 clear_settled(run_id)
@@ -43,5 +44,10 @@ local run = new_waiter(meta, run_id, now, confirmed, 0, payload, tonumber(ARGV[1
   opt_number(ARGV[11]), tonumber(ARGV[12]))
 save_run(run)
 meta.due_at = earliest(meta.due_at, own_due(run))
+if not confirmed and ahead < limit - zcard(K.holders) then
+  -- An owner whose publish may never happen: dropped at its grace's end even if nothing else
+  -- calls the key (gate.register).
+  meta.due_at = earliest(meta.due_at, now + K.grace)
+end
 finish(meta)
 return { 'registered', in_flight + 1 }
