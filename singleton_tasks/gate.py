@@ -751,6 +751,7 @@ def release(
     meta = _meta(tx, now)
     done = _housekeep(tx, now, timings, keep=run_id)
     run = tx.get_run(run_id)
+    lost = False
     if (
         run is None
         or (token is not None and (run.state is not RunState.HOLDING or run.token != token))
@@ -759,26 +760,24 @@ def release(
         # Settled already (idempotent: async interrupts settle twice), taken from us, or (only
         # a waiter to settle) admitted meanwhile by another copy.
         lost = token is not None and (run is not None or tx.settled_generation(run_id, now) is None)
-        wakes = _hand_on(tx, meta, scope, key, now, timings, done, None)
-        _finish(tx, meta, now, timings)
-        return ReleaseOutcome(
-            released=False,
-            lost=lost,
-            wakes=tuple(wakes),
-            evicted=tuple(done.evicted),
-            removed=tuple(done.removed),
+        released = False
+    else:
+        tx.delete_run(run_id)
+        settled = (
+            run.holder_generation
+            if run.state is RunState.HOLDING
+            else (generation if generation is not None else -1)
         )
-    tx.delete_run(run_id)
-    settled = (
-        run.holder_generation
-        if run.state is RunState.HOLDING
-        else (generation if generation is not None else -1)
-    )
-    tx.mark_settled(run_id, settled, now + timings.retention, now)
+        tx.mark_settled(run_id, settled, now + timings.retention, now)
+        released = True
     wakes = _hand_on(tx, meta, scope, key, now, timings, done, None)
     _finish(tx, meta, now, timings)
     return ReleaseOutcome(
-        released=True, wakes=tuple(wakes), evicted=tuple(done.evicted), removed=tuple(done.removed)
+        released=released,
+        lost=lost,
+        wakes=tuple(wakes),
+        evicted=tuple(done.evicted),
+        removed=tuple(done.removed),
     )
 
 

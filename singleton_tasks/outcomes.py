@@ -89,6 +89,11 @@ class DueOutcome:
     evicted: tuple[str, ...] = ()  # orphaned holders evicted
     removed: tuple[str, ...] = ()  # abandoned waiters removed
 
+    @property
+    def acted(self) -> bool:
+        """Whether the key did anything the caller publishes, logs or counts."""
+        return bool(self.wakes or self.evicted or self.removed)
+
 
 @dataclass(frozen=True)
 class HeartbeatOutcome:

@@ -19,8 +19,8 @@ import copy
 import math
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
 
 import pytest
 from hypothesis import HealthCheck, Phase, event, settings
@@ -520,35 +520,16 @@ class Model:
 # ---------------------------------------------------------------------------- the machine
 
 
-def normal_claim(outcome: ClaimOutcome) -> ClaimOutcome:
-    return ClaimOutcome(
-        outcome.decision,
-        token=outcome.token,
-        generation=outcome.generation,
-        position=outcome.position,
-        takeover=outcome.takeover,
-        evicted=tuple(sorted(outcome.evicted)),  # several evictions at once: any order
-        wakes=tuple(outcome.wakes),
-        removed=tuple(outcome.removed),
-    )
+Outcome = TypeVar("Outcome", ClaimOutcome, ReleaseOutcome, DueOutcome)
 
 
-def normal_release(outcome: ReleaseOutcome) -> ReleaseOutcome:
-    return ReleaseOutcome(
-        outcome.released,
-        outcome.lost,
-        wakes=tuple(outcome.wakes),
+def normal(outcome: Outcome) -> Outcome:
+    """The outcome as the model gives it: several evictions at once come in any order, lists as
+    tuples (the Redis store answers lists)."""
+    return replace(
+        outcome,
         evicted=tuple(sorted(outcome.evicted)),
-        removed=tuple(outcome.removed),
-    )
-
-
-def normal_due(outcome: DueOutcome) -> DueOutcome:
-    return DueOutcome(
-        outcome.scope,
-        outcome.key,
         wakes=tuple(outcome.wakes),
-        evicted=tuple(sorted(outcome.evicted)),
         removed=tuple(outcome.removed),
     )
 
@@ -722,7 +703,7 @@ class GateMachine(RuleBasedStateMachine):
 
     def claim_as(self, key: str, run_id: str, generation: int, payload: bytes | None) -> None:
         spec = self.spec(key, run_id)
-        got = normal_claim(self.at().claim(spec, generation, payload))
+        got = normal(self.at().claim(spec, generation, payload))
         expected = self.model.claim(spec, generation, payload, self.now)
         self.agree(f"claim {run_id} generation={generation}", got, expected)
         self.learn(key, run_id, got)
@@ -758,7 +739,7 @@ class GateMachine(RuleBasedStateMachine):
         generation = data.draw(st.one_of(st.none(), st.sampled_from(generations)), label="generation")
         # A discarded copy's settlement (token None) leaves a run that holds a slot alone.
         waiting_only = token is None and data.draw(st.booleans(), label="waiting_only")
-        got = normal_release(
+        got = normal(
             self.at().release(
                 self.scope, key, run_id, token=token, generation=generation, waiting_only=waiting_only
             )
@@ -779,7 +760,7 @@ class GateMachine(RuleBasedStateMachine):
         held = [(key, h.run_id) for key, k in sorted(self.model.keys.items()) for h in k.holders()]
         key, run_id = data.draw(st.sampled_from(held), label="holder")
         token = self.tokens[(key, run_id)][-1]
-        got = normal_release(self.at().release(self.scope, key, run_id, token=token))
+        got = normal(self.at().release(self.scope, key, run_id, token=token))
         expected = self.model.release(key, run_id, token, None, self.now)
         self.agree(f"settle {run_id} token={token}", got, expected)
         event(f"settle released={got.released}")
@@ -791,7 +772,7 @@ class GateMachine(RuleBasedStateMachine):
         """A revoked copy of a run settles it as a waiter, after another copy of it was admitted."""
         held = [(key, h.run_id) for key, k in sorted(self.model.keys.items()) for h in k.holders()]
         key, run_id = data.draw(st.sampled_from(held), label="holder")
-        got = normal_release(self.at().release(self.scope, key, run_id, token=None, waiting_only=True))
+        got = normal(self.at().release(self.scope, key, run_id, token=None, waiting_only=True))
         expected = self.model.release(key, run_id, None, None, self.now, waiting_only=True)
         self.agree(f"settle a discarded copy of {run_id}", got, expected)
         self.learn(key, run_id, got)
@@ -835,7 +816,7 @@ class GateMachine(RuleBasedStateMachine):
         run_id = self.run_id(key, number)
         got = self.at().operator_release(run_id)
         expected = self.model.operator_release(run_id, self.now)
-        self.agree(f"operator_release {run_id}", None if got is None else normal_release(got), expected)
+        self.agree(f"operator_release {run_id}", None if got is None else normal(got), expected)
         if got is not None:
             self.learn(key, run_id, got)
 
@@ -854,7 +835,7 @@ class GateMachine(RuleBasedStateMachine):
             if outcome.scope != self.scope:
                 continue  # a key an earlier example left due (nothing of it is left)
             assert outcome.key not in named, f"tick_due at {self.now}: {outcome.key!r} named twice"
-            named[outcome.key] = normal_due(outcome)
+            named[outcome.key] = normal(outcome)
         ticked, agreed = set(), set()
         for key in sorted(KEYS):
             if key in named:

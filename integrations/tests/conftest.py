@@ -41,7 +41,9 @@ def require(url: str, what: str) -> None:
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "framework" in metafunc.fixturenames:
-        metafunc.parametrize("framework", FRAMEWORKS)
+        # @pytest.mark.frameworks("celery"): a scenario that exists for one framework only.
+        only = metafunc.definition.get_closest_marker("frameworks")
+        metafunc.parametrize("framework", list(only.args) if only else FRAMEWORKS)
     if "broker" in metafunc.fixturenames:
         chosen = os.environ.get("SINGLETON_TEST_BROKER")  # tox runs one broker per environment
         metafunc.parametrize("broker", [chosen] if chosen else BROKERS)

@@ -185,6 +185,7 @@ def test_sends_from_fork_children_keep_cap_and_line(
 RELAYS = 8
 
 
+@pytest.mark.frameworks("celery")  # a prefork pool (billiard) process; Dramatiq's children: above
 @pytest.mark.timeout(180)
 def test_sends_from_prefork_tasks_keep_cap_and_line(
     harness: Callable[..., Harness], framework: str, broker: str
@@ -192,8 +193,6 @@ def test_sends_from_prefork_tasks_keep_cap_and_line(
     """8 ``relay`` tasks on a prefork worker whose pool processes exit after one task each send one
     run of a key capped at 6: exactly 6 accepted, all confirmed, still in line past the registration
     grace (a 9th send refused); a worker started then runs each once, in registration order."""
-    if framework != "celery":
-        pytest.skip("a Celery prefork pool (billiard) process; Dramatiq's children are scenario 1's")
     h = harness("prefork-sends", framework, broker, "postgres", threads=4, **LIBRARY_TIMINGS)
     relay_queue = f"{h.settings.queue}_relay"
     relaying = CeleryDriver(h.settings.with_(queue=relay_queue), pool="prefork", max_tasks_per_child=1)
@@ -262,6 +261,7 @@ def _longest_unseen(h: Harness, run_id: str) -> float:
     return max(b - a for a, b in itertools.pairwise([*sent, *seen, first]))
 
 
+@pytest.mark.frameworks("dramatiq")  # Celery's ETAs do not follow the runner's clock shift
 @pytest.mark.timeout(240)
 def test_skewed_workers_hand_the_line_on_at_each_release(
     harness: Callable[..., Harness], framework: str, broker: str
@@ -275,8 +275,6 @@ def test_skewed_workers_hand_the_line_on_at_each_release(
     them with ``datetime.now`` and its worker times them with kombu's own ``time`` (both real here),
     so its deferred copies are never parked and the scenario would prove nothing scenario 7 does not.
     """
-    if framework != "dramatiq":
-        pytest.skip("Celery's ETAs do not follow the runner's clock shift: no copy is parked")
     h = harness("skew-line", framework, broker, "redis", threads=4, **LIBRARY_TIMINGS)
     skewed = {shift: h.workers.start(1, wait=False, clock_shift=shift)[0] for shift in (SKEW, -SKEW)}
     h.workers.wait_ready(list(skewed.values()))

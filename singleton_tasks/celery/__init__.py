@@ -349,21 +349,25 @@ class SingletonTask(Task):  # type: ignore[misc]
         serializer (pickle) may carry what JSON cannot: such a run has no payload, and only its
         own copies can run it.
         """
-        try:
-            return _json_payload(
-                _signature_for(self, args, kwargs, run_id, link, link_error, shadow, options)
-            )
-        except Exception as error:
-            serializer = options.get("serializer") or self.serializer or self._get_app().conf.task_serializer
-            if serializer != "json" or _json_can_carry(args, kwargs):
-                # Another serializer, or an option only the producer uses (a Queue object, a
-                # connection): the message is fine, but the store cannot issue the run itself.
-                logger.debug("%s run %s has no payload for a wake", self.name, run_id, exc_info=True)
-                return None
-            raise SingletonPayloadError(
-                f"{self.name} run {run_id}: its arguments cannot be encoded as JSON ({error}); "
-                "nothing was sent"
-            ) from error
+        payload = _encoded_payload(
+            self,
+            run_id,
+            lambda: _signature_for(self, args, kwargs, run_id, link, link_error, shadow, options),
+        )
+        if payload is not None:
+            return payload
+        serializer = options.get("serializer") or self.serializer or self._get_app().conf.task_serializer
+        if serializer == "json":
+            # Another serializer (pickle) may carry what JSON cannot, and an option only the
+            # producer uses (a Queue object, a connection) is never sent: only arguments fail.
+            try:
+                _json.dumps([args, kwargs])
+            except Exception as error:
+                raise SingletonPayloadError(
+                    f"{self.name} run {run_id}: its arguments cannot be encoded as JSON ({error}); "
+                    "nothing was sent"
+                ) from error
+        return None
 
     def _register_unconfirmed(
         self,
@@ -692,14 +696,6 @@ def _signature_for(
     given = {"link": link, "link_error": link_error, "shadow": shadow}
     signature_options = {**options, **{k: v for k, v in given.items() if v is not None}}
     return task.signature(args, kwargs, **signature_options, task_id=run_id)
-
-
-def _json_can_carry(args: Any, kwargs: Any) -> bool:
-    try:
-        _json.dumps([args, kwargs])
-    except Exception:
-        return False
-    return True
 
 
 def _json_payload(built: Signature) -> bytes:

@@ -370,7 +370,7 @@ class RuleStore(Store):
         for scope, key in self.due_keys(self.time(), limit):
             with self.transaction(scope, key) as tx:
                 outcome = gate.tick(tx, scope, key, timings=self.timings)
-            if outcome.wakes or outcome.evicted or outcome.removed:
+            if outcome.acted:
                 done.append(outcome)
         return done
 

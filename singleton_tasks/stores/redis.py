@@ -911,12 +911,13 @@ class RedisStore(Store):
         done = []
         for tag in self._due_tags(self.time(), limit):
             reply = self._eval("tick", 8, *self._tag_args(tag, b"", b"", b""))
-            if reply and (reply[2] or reply[3] or reply[4]):
-                scope_b, key_b, wakes, evicted, removed = reply
-                scope, key = _str(scope_b), _str(key_b)
-                done.append(
-                    DueOutcome(scope, key, _wakes(scope, key, wakes), _names(evicted), _names(removed))
-                )
+            if not reply:
+                continue  # gone or idle: only taken off the index
+            scope_b, key_b, wakes, evicted, removed = reply
+            scope, key = _str(scope_b), _str(key_b)
+            outcome = DueOutcome(scope, key, _wakes(scope, key, wakes), _names(evicted), _names(removed))
+            if outcome.acted:
+                done.append(outcome)
         return done
 
     def _due_tags(self, now: float, count: int) -> list[bytes]:
