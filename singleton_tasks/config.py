@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import SingletonConfigError, SingletonKeyError
+from .errors import SingletonConfigError, SingletonError, SingletonKeyError
 
 #: The longest key a task may derive (characters).
 MAX_KEY_LENGTH = 512
@@ -142,11 +142,11 @@ _SURROGATE = (
 )
 
 
-def check_storable(text: str, what: str) -> str:
-    """``text``, or SingletonConfigError naming ``what`` and the text if UTF-8 cannot encode it."""
+def check_storable(text: str, what: str, error: type[SingletonError] = SingletonConfigError) -> str:
+    """``text``, or ``error`` naming ``what`` and the text if UTF-8 cannot encode it."""
     position = unencodable_at(text)
     if position is not None:
-        raise SingletonConfigError(f"{what} {text!r} cannot be stored: position {position} is {_SURROGATE}")
+        raise error(f"{what} {text!r} cannot be stored: position {position} is {_SURROGATE}")
     return text
 
 
@@ -237,13 +237,7 @@ class BoundSingleton:
                 f"{self.task_name}: the singleton key has {len(result)} characters, "
                 f"more than {MAX_KEY_LENGTH}: {result[:40]!r}..."
             )
-        position = unencodable_at(result)
-        if position is not None:
-            raise SingletonKeyError(
-                f"{self.task_name}: the singleton key {result!r} cannot be stored: "
-                f"position {position} is {_SURROGATE}"
-            )
-        return result
+        return check_storable(result, f"{self.task_name}: the singleton key", SingletonKeyError)
 
     def _bound_arguments(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
         if self.signature is None:
