@@ -13,7 +13,7 @@ from loopback_cluster import LoopbackCluster
 from services import require_server
 
 from singleton_tasks import Store, store_from_url
-from singleton_tasks.runtime import flush_all_confirms
+from singleton_tasks.confirms import flush_all_confirms
 
 REDIS_URL = os.environ.get("SINGLETON_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 POSTGRES_URL = os.environ.get("SINGLETON_TEST_POSTGRES_URL", "postgresql://127.0.0.1:5432/test")

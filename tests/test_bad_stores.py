@@ -37,8 +37,8 @@ from singleton_tasks import (
 )
 from singleton_tasks.celery import SingletonTask, install
 from singleton_tasks.dramatiq import ConfigError, SingletonMiddleware
-from singleton_tasks.runtime import STORE_ENV
 from singleton_tasks.stores import SCHEMA_VERSION
+from singleton_tasks.stores.choice import STORE_ENV
 
 KNOWN = str(
     sorted(

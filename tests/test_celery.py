@@ -984,11 +984,11 @@ def test_without_install_the_app_conf_store_is_used(tmp_path: Path) -> None:
 
 
 def test_without_any_store_the_embedded_default_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    from singleton_tasks import runtime
+    from singleton_tasks.stores import choice
 
-    monkeypatch.setattr(runtime, "_default_warned", False)
-    monkeypatch.delenv(runtime.STORE_ENV, raising=False)
-    monkeypatch.setattr(runtime, "default_store_url", lambda: "memory://default-store")
+    monkeypatch.setattr(choice, "_default_warned", False)
+    monkeypatch.delenv(choice.STORE_ENV, raising=False)
+    monkeypatch.setattr(choice, "default_store_url", lambda: "memory://default-store")
     app = make_app()
 
     @app.task(base=SingletonTask, singleton={"key": "k"}, name=unique(), shared=False)
@@ -1001,7 +1001,7 @@ def test_without_any_store_the_embedded_default_warns_once(monkeypatch: pytest.M
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         gatekeeper_for(app2).store  # noqa: B018 — the warning is given once per process
-    assert os.environ.get(runtime.STORE_ENV) is None
+    assert os.environ.get(choice.STORE_ENV) is None
 
 
 def test_user_ignore_in_the_body_settles_the_run(store: Store) -> None:

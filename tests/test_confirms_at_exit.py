@@ -20,7 +20,7 @@ import billiard
 import pytest
 from conftest import StoreFactory, backend_params
 
-from singleton_tasks import SingletonConfig, Store, runtime, store_from_url
+from singleton_tasks import SingletonConfig, Store, confirms, store_from_url
 from singleton_tasks.config import BoundSingleton
 from singleton_tasks.runtime import Gatekeeper
 
@@ -110,7 +110,7 @@ def test_a_celery_pool_process_confirms_when_it_shuts_down(
 
     import singleton_tasks.celery  # noqa: F401 - connects the adapter's receivers
 
-    monkeypatch.setattr(runtime, "CONFIRM_LINGER", 60.0)  # the confirm thread sends only when flushed
+    monkeypatch.setattr(confirms, "CONFIRM_LINGER", 60.0)  # the confirm thread sends only when flushed
     store = store_factory()
     seen = tmp_path / "seen"
 
@@ -162,7 +162,7 @@ def test_a_fork_leaves_the_parents_pending_confirms_to_the_parent(
 ) -> None:
     """Confirms pending at a fork are sent by the parent before it forks (a daemonizing parent may
     ``os._exit`` right after); the child, which inherits the gatekeeper, sends only its own."""
-    monkeypatch.setattr(runtime, "CONFIRM_LINGER", 60.0)  # the confirm thread sends only when flushed
+    monkeypatch.setattr(confirms, "CONFIRM_LINGER", 60.0)  # the confirm thread sends only when flushed
     store = store_factory()
     log = tmp_path / "confirms.log"
     gatekeeper = Gatekeeper(recording(store, log))

@@ -4,7 +4,7 @@ Each test names the numbered item of ``singleton_tasks/celery/_internals.py`` or
 ``singleton_tasks/dramatiq/_internals.py`` it checks; one fails when a Celery or Dramatiq
 upgrade changes that internal, before a user's task silently stops being a singleton. The last
 check the redis-py internals of ``singleton_tasks/stores/_redis_call.py`` and the Sentinel store,
-and the exit of ``multiprocessing`` and billiard children (``runtime._at_child_exit``).
+and the exit of ``multiprocessing`` and billiard children (``confirms._at_child_exit``).
 """
 
 from __future__ import annotations
@@ -402,18 +402,18 @@ def test_redis_py_sentinel_asks_its_list_in_order_and_its_pool_knows_the_primary
         sentinel.close()
 
 
-# -- the standard library's multiprocessing, with billiard (singleton_tasks/runtime.py) ----------------
+# -- the standard library's multiprocessing, with billiard (singleton_tasks/confirms.py) ---------------
 def _exit_hook_writes(path: str) -> None:
-    from singleton_tasks import runtime
+    from singleton_tasks import confirms
 
-    runtime._at_child_exit(lambda: Path(path).write_text(str(os.getpid())))
+    confirms._at_child_exit(lambda: Path(path).write_text(str(os.getpid())))
 
 
 @pytest.mark.parametrize("make", ["multiprocessing", "billiard"])
 def test_stdlib_a_childs_exit_runs_the_finalizers_it_registered_before_os_exit(
     make: str, tmp_path: Path
 ) -> None:
-    """``runtime._at_child_exit``: a fork child of ``multiprocessing`` or billiard ends with
+    """``confirms._at_child_exit``: a fork child of ``multiprocessing`` or billiard ends with
     ``os._exit`` (no atexit); its ``_bootstrap`` first runs ``multiprocessing.util._exit_function``,
     which calls the finalizers with an exit priority that the child registered."""
     import billiard

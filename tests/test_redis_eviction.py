@@ -31,9 +31,10 @@ from test_celery import wait_for as celery_wait_for
 
 from singleton_tasks import SingletonConfigError, store_from_url
 from singleton_tasks.celery import SingletonTask
+from singleton_tasks.confirms import flush_all_confirms
 from singleton_tasks.dramatiq import ConfigError, SingletonMiddleware
 from singleton_tasks.outcomes import Decision, HolderRef, Registered, RunSpec
-from singleton_tasks.runtime import Gatekeeper, flush_all_confirms
+from singleton_tasks.runtime import Gatekeeper
 
 pytestmark = pytest.mark.redis
 

@@ -13,15 +13,17 @@ from pathlib import Path
 import pytest
 
 from singleton_tasks import (
+    SchemaVersionError,
     SingletonConfig,
     SingletonConfigError,
     StoreUnavailableError,
-    runtime,
+    heartbeat,
     store_from_url,
 )
 from singleton_tasks.config import BoundSingleton
 from singleton_tasks.outcomes import Decision, HolderRef, RunSpec
 from singleton_tasks.runtime import Gatekeeper, WorkerOptions
+from singleton_tasks.stores import SCHEMA_VERSION, RuleStore, Store, store_classes
 from singleton_tasks.stores._sql import SQLStore
 from singleton_tasks.stores.memory import MemoryStore
 from singleton_tasks.testing import ManualClock
@@ -177,7 +179,7 @@ def test_the_heartbeat_thread_sweeps_one_slice_per_step(
     """Each step of the heartbeat thread sweeps for about SWEEP_SLICE seconds and leaves the rest to
     the next step, which comes at once (not SWEEP_INTERVAL later): the thread beats in between, so
     a long sweep (minutes for a million expired rows) never holds a heartbeat back."""
-    monkeypatch.setattr(runtime, "SWEEP_SLICE", 0.0)  # every slice: one transaction
+    monkeypatch.setattr(heartbeat, "SWEEP_SLICE", 0.0)  # every slice: one transaction
     clock = ManualClock(1000.0)
     path = tmp_path / "sweep.db"
     store = store_from_url(f"sqlite:///{path}", clock=clock, retention=100.0)
@@ -234,7 +236,7 @@ def test_a_discarded_copy_never_frees_a_slot_another_copy_took_meanwhile() -> No
 def test_the_heartbeat_threads_due_work_publishes_reissues_and_reports_abandoned_runs(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Gatekeeper.tick_due (the heartbeat thread's step): the wakes of keys nobody calls go to the
+    """Heartbeater.tick_due (the heartbeat thread's step): the wakes of keys nobody calls go to the
     adapter's publisher; an abandoned waiter is logged at error with its task, key and run id."""
     from singleton_tasks.gate import Timings
     from singleton_tasks.outcomes import Wake
@@ -246,13 +248,48 @@ def test_the_heartbeat_threads_due_work_publishes_reissues_and_reports_abandoned
     gatekeeper.publish_wakes = published.extend
     spec = RunSpec("tasks.sync", "store:A", "r1", orphan_timeout=100.0, recheck=10.0)
     store.register(spec, payload=b"the message")
-    assert gatekeeper.tick_due() == 0 and published == []
+    assert gatekeeper.heartbeats.tick_due() == 0 and published == []
     clock.advance(110.5)
-    assert gatekeeper.tick_due() == 1
+    assert gatekeeper.heartbeats.tick_due() == 1
     assert [(w.run_id, w.payload) for w in published] == [("r1", b"the message")]
     clock.advance(400.0)  # issued again and again, never seen: past the store's retention
     with caplog.at_level(logging.ERROR, logger="singleton_tasks"):
-        assert gatekeeper.tick_due() == 1
+        assert gatekeeper.heartbeats.tick_due() == 1
     assert len(published) == 1 and store.snapshot() == []
     [record] = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert all(text in record.getMessage() for text in ("tasks.sync", "r1", "'store:A'", "abandoned"))
+
+
+def test_the_stores_whose_schema_is_their_own_create_it_at_first_use() -> None:
+    """``Store.migrates_on_first_use``, declared on each class (subclasses inherit it): the memory,
+    SQLite and Redis stores create their schema at a process's first use; a PostgreSQL database is
+    migrated by its operator (``singleton-tasks migrate``), and a custom store by default too."""
+    declared = {scheme: cls.migrates_on_first_use for scheme, cls in store_classes().items()}
+    assert declared == {
+        "memory": True,
+        "sqlite": True,
+        "redis": True,
+        "rediss": True,
+        "redis+sentinel": True,
+        "rediss+sentinel": True,
+        "redis+cluster": True,
+        "rediss+cluster": True,
+        "postgresql": False,
+        "postgres": False,
+    }
+    assert Store.migrates_on_first_use is False and RuleStore.migrates_on_first_use is False
+
+
+def test_a_process_creates_a_missing_schema_only_where_the_store_class_allows_it() -> None:
+    class MigratedByItsOperator(MemoryStore):
+        migrates_on_first_use = False
+
+    operated = MigratedByItsOperator(memory())
+    operated.set_schema_version_for_tests(None)  # a server nothing has written to yet
+    with pytest.raises(SchemaVersionError, match="singleton-tasks migrate"):
+        Gatekeeper(operated).store  # noqa: B018 (opening checks the schema)
+    assert operated.schema_version() is None  # left for its operator to migrate
+    embedded = MemoryStore(memory())
+    embedded.set_schema_version_for_tests(None)
+    Gatekeeper(embedded).store  # noqa: B018
+    assert embedded.schema_version() == SCHEMA_VERSION

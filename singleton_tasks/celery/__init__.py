@@ -49,9 +49,11 @@ from ..config import (
     BoundSingleton,
     SingletonConfig,
 )
+from ..confirms import confirm_at_exit
 from ..errors import SingletonConfigError, SingletonKeyError, SingletonPayloadError, StoreUnavailableError
 from ..outcomes import Decision, Registered, RegisterOutcome, RunSpec, Wake
-from ..runtime import GENERATION_FIELD, Gatekeeper, WorkerOptions, check_store_argument, confirm_at_exit
+from ..runtime import GENERATION_FIELD, Gatekeeper, WorkerOptions
+from ..stores.choice import check_store_argument
 from ._internals import current_worker_task, is_tracer_call, mark_tracer_call
 
 __all__ = ["GENERATION_HEADER", "SingletonTask", "gatekeeper_for", "install"]

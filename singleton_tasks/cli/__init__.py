@@ -39,9 +39,9 @@ from rich.text import Text
 
 from ..errors import SingletonError
 from ..outcomes import HolderView, KeySnapshot, ReleaseOutcome, RunState, WaiterView, Wake
-from ..runtime import STORE_ENV
 from ..stores import SCHEMA_VERSION, Store, check_store_url, redact_url, store_from_url
 from ..stores.base import check_namespace
+from ..stores.choice import STORE_ENV
 
 logger = logging.getLogger("singleton_tasks")
 
@@ -96,7 +96,7 @@ class StoreProblem(click.ClickException):
 
 
 def _default_store_url() -> str:
-    from ..runtime import default_store_url
+    from ..stores.choice import default_store_url
 
     return default_store_url()
 

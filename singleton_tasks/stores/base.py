@@ -135,6 +135,10 @@ class Store(abc.ABC):
     #: Whose clock decides: ``"server"`` (a clock shared by every host) or ``"host"`` (the clock
     #: of the one host the store serves).
     clock_source: ClassVar[str] = "host"
+    #: Whether a worker or producer may create the schema when it first finds none: True for a
+    #: store whose schema is its own (an embedded file, a process's memory, a Redis namespace);
+    #: False where an operator runs the migrations (``singleton-tasks migrate``, a shared database).
+    migrates_on_first_use: ClassVar[bool] = False
 
     def __init__(
         self,

@@ -208,6 +208,7 @@ class MemoryStore(RuleStore):
     """The gate's rules over in-process dicts: for tests and single-process apps."""
 
     schemes = ("memory",)
+    migrates_on_first_use = True
 
     @classmethod
     def check_url(cls, url: str) -> None:

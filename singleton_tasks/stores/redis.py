@@ -353,6 +353,7 @@ class RedisStore(Store):
     schemes = ("redis", "rediss")
     drivers = ("redis",)
     extra = "redis"
+    migrates_on_first_use = True
 
     @classmethod
     def check_url(cls, url: str) -> None:

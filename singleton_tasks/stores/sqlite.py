@@ -43,6 +43,7 @@ class SQLiteStore(SQLStore):
     """The gate's rules over a SQLite database file."""
 
     schemes = ("sqlite",)
+    migrates_on_first_use = True
 
     @classmethod
     def check_url(cls, url: str) -> None:
