@@ -1,5 +1,6 @@
-"""The ``singleton-tasks`` command: see keys, holders and waiters; free a stuck slot; drop a
-key's waiters; migrate.
+"""The ``singleton-tasks`` command group and its entry point (:func:`main`); each command is its own module.
+
+The command sees keys, holders and waiters; frees a stuck slot; drops a key's waiters; migrates.
 
 Every command takes ``--store URL`` (or ``SINGLETON_TASKS_STORE``; default: the embedded
 SQLite store of this host) and ``--namespace`` (or ``SINGLETON_TASKS_NAMESPACE``; default
@@ -13,10 +14,9 @@ wrong schema version).
 ``inspect --json`` prints one JSON document; its format is in ``singleton-tasks inspect --help``
 (:data:`singleton_tasks.cli.inspect.JSON_HELP`).
 
-This module holds the command group and the entry point; each command is a module of this
-package (``inspect``, ``release``, ``drop_waiters``, ``top``, ``migrate``, ``demo``), sharing
-``_open`` (the store), ``_format`` (times and text) and ``_settling`` (``--yes``, ``--broker``).
-The group adds the commands, so no command module imports this one.
+The commands are the modules ``inspect``, ``release``, ``drop_waiters``, ``top``, ``migrate`` and
+``demo``; they share ``_open`` (the store), ``_format`` (times and text) and ``_settling``
+(``--yes``, ``--broker``). This module adds them to the group, so none of them imports it.
 """
 
 from __future__ import annotations

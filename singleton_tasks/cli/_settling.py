@@ -1,7 +1,8 @@
-"""What the commands that settle runs share (``release``, ``drop-waiters``): confirmation,
-the ``--broker`` that publishes the woken waiters' messages, and the report of who was woken.
+"""What the commands that settle runs (``release``, ``drop-waiters``) share: ``--yes``, ``--broker``, wakes.
 
-Dramatiq is imported only when ``--broker`` is given: the command runs without it installed.
+``--broker`` publishes the woken waiters' messages at once; the report says who was woken and
+how each will be admitted; the log names the operator (:func:`who`). Dramatiq is imported only
+when ``--broker`` is given: the command runs without it installed.
 """
 
 from __future__ import annotations
