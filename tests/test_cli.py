@@ -19,7 +19,8 @@ from click.testing import CliRunner, Result
 from conftest import POSTGRES_URL, REDIS_URL, StoreFactory, require_server
 
 from singleton_tasks import Store, clock, store_from_url
-from singleton_tasks.cli import TopState, cli, render_top_frame
+from singleton_tasks.cli import cli
+from singleton_tasks.cli.top import TopState, render_top_frame
 from singleton_tasks.outcomes import Decision, Registered, RunSpec, RunState
 from singleton_tasks.stores import SCHEMA_VERSION
 from singleton_tasks.testing import ManualClock, at

@@ -602,7 +602,7 @@ def test_states_survive_the_round_trip(namespace: str) -> None:
 
 def test_a_phantom_holder_is_evicted_shown_and_released(namespace: str) -> None:
     """A holder whose run hash is gone (an evicting or failed-over server) never sticks its key."""
-    from singleton_tasks.cli import inspect_document
+    from singleton_tasks.cli.inspect import inspect_document
 
     store = RedisStore(REDIS_URL, namespace=namespace, clock=ManualClock(1000.0))
     ghost, waiter = RunSpec("s", "k", "ghost"), RunSpec("s", "k", "waiter")

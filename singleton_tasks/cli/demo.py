@@ -21,11 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import click
 from rich.console import Console
 from rich.table import Table
 
 from .. import current_admission
 from ..errors import SingletonQueueFullError
+from ._open import StoreProblem
 
 BODY_SECONDS = 0.5
 LANE_WIDTH = 48
@@ -205,3 +207,18 @@ def _print_lanes(console: Console, runs: list[Run], origin: float, total: float)
         f"A ran in order: {[r.label for r in sorted(runs, key=lambda r: r.start) if r.store == 'A']}, "
         f"slowest handoff {worst:.0f} ms (fallback timer: 1000 ms), total {total:.1f} s"
     )
+
+
+@click.command()
+@click.option(
+    "--framework",
+    type=click.Choice(FRAMEWORKS),
+    default=None,
+    help="Run it on this framework (default: Dramatiq if it is installed, else Celery).",
+)
+def demo(framework: str | None) -> None:
+    """The sync-inventory story on the embedded SQLite store: no server needed (~3 s)."""
+    try:
+        run_demo(Console(), framework=framework)
+    except DemoUnavailable as error:
+        raise StoreProblem(str(error)) from None

@@ -1,0 +1,112 @@
+"""What the commands that settle runs (``release``, ``drop-waiters``) share: ``--yes``, ``--broker``, wakes.
+
+``--broker`` publishes the woken waiters' messages at once; the report says who was woken and
+how each will be admitted; the log names the operator (:func:`who`). Dramatiq is imported only
+when ``--broker`` is given: the command runs without it installed.
+"""
+
+from __future__ import annotations
+
+import getpass
+import socket
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import click
+
+from ..outcomes import Wake
+from ..stores import redact_url
+from ._open import StoreProblem, scrub
+
+
+def who() -> str:
+    """The operator, as the log names them: ``user@host``."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no login name (containers without a passwd entry)
+        user = "unknown"
+    return f"{user}@{socket.gethostname()}"
+
+
+def confirm_and_broker_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``--yes`` and ``--broker`` of the commands that settle runs (``release``, ``drop-waiters``)."""
+    command = click.option(
+        "--broker",
+        "broker_url",
+        default=None,
+        metavar="URL",
+        help="Dramatiq broker (redis://… or amqp://…) to publish the woken waiters' messages on at once.",
+    )(command)
+    return click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")(command)
+
+
+def report_wakes(wakes: Sequence[Wake], evicted: Sequence[str], published: set[str]) -> None:
+    """One line per woken waiter (how it will be admitted) and per evicted orphaned holder."""
+    for wake in wakes:
+        how = (
+            "its wake message was published"
+            if wake.run_id in published
+            else "its deferred copy admits it when due (about a second at the head of the line)"
+        )
+        click.echo(
+            f"woke {wake.run_id} (generation {wake.generation}): "
+            f"it owns a free slot of key {wake.key!r}; {how}"
+        )
+    for run_id in evicted:
+        click.echo(f"evicted orphaned holder {run_id}")
+
+
+def _dramatiq_broker(url: str) -> Any:
+    """A bare Dramatiq broker (no middleware: the wake is published as the adapter would)."""
+    scheme = url.split("://", 1)[0].lower()
+    try:
+        if scheme in ("redis", "rediss"):
+            from dramatiq.brokers.redis import RedisBroker
+
+            return RedisBroker(url=url, middleware=[])  # type: ignore[no-untyped-call]
+        if scheme in ("amqp", "amqps"):
+            from dramatiq.brokers.rabbitmq import RabbitmqBroker
+
+            return RabbitmqBroker(url=url, middleware=[])
+    except ImportError as error:
+        raise StoreProblem(f"--broker needs dramatiq and its broker's driver installed ({error})") from None
+    raise StoreProblem(f"--broker {redact_url(url)}: expected a redis://… or amqp://… Dramatiq broker URL")
+
+
+@contextmanager
+def open_broker(url: str | None) -> Iterator[Any]:
+    """The ``--broker`` of a command, made before the store is touched (a wrong URL changes
+    nothing) and closed however the command ends; None without ``--broker``."""
+    if url is None:
+        yield None
+        return
+    made = _dramatiq_broker(url)
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+def publish_wakes(broker: Any, broker_url: str | None, wakes: Sequence[Wake]) -> set[str]:
+    """Publish the wakes on a Dramatiq broker; a failure leaves them to their deferred copies."""
+    published: set[str] = set()
+    if broker is None or broker_url is None:
+        return published
+    from ..dramatiq import wake_message
+
+    try:
+        for wake in wakes:
+            if wake.payload is None:
+                continue
+            try:
+                message = wake_message(broker, wake)
+            except Exception:  # a Celery payload, or another format: not ours to publish
+                click.echo(f"cannot publish the wake of {wake.run_id}: not a Dramatiq message", err=True)
+                continue
+            broker.enqueue(message)
+            published.add(wake.run_id)
+    except Exception as error:
+        detail = scrub(f"{type(error).__name__}: {error}", broker_url)
+        click.echo(f"publishing wakes on {redact_url(broker_url)} failed ({detail})", err=True)
+    return published

@@ -1,0 +1,143 @@
+"""``singleton-tasks top``: a live view, one lane per key, holders as slots and waiters queued behind."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import click
+from rich.console import Console, Group, RenderableType
+from rich.text import Text
+
+from ..outcomes import KeySnapshot, RunState
+from ..stores import Store
+from ._format import clock_time, render_text, seconds
+from ._open import open_store, snapshots, store_options
+
+
+@dataclass
+class TopState:
+    """What one frame remembers for the next: the admissions seen, to count handoffs between frames."""
+
+    admissions: set[tuple[str, str, int]] = field(default_factory=set)
+    at: float | None = None
+    rate: float | None = None
+
+    def advance(self, snaps: Sequence[KeySnapshot], now: float) -> float | None:
+        """Handoffs per second since the previous frame (admissions = holders with a new token).
+
+        Tokens come from the store clock, so their values do not count admissions: a holder
+        with a token not seen in the previous frame does. A run admitted and settled between
+        two frames, or a key first seen, is not counted.
+        """
+        admissions = {(s.scope, s.key, h.token) for s in snaps for h in s.holders}
+        if self.at is not None and now > self.at:
+            seen_keys = {(scope, key) for scope, key, _token in self.admissions}
+            new = [a for a in admissions - self.admissions if (a[0], a[1]) in seen_keys]
+            self.rate = len(new) / (now - self.at)
+        self.admissions, self.at = admissions, now
+        return self.rate
+
+
+_WAITER_GLYPH = {RunState.PENDING: "○", RunState.GATED: "●", RunState.WOKEN: "◉"}
+MAX_GLYPHS = 40
+
+
+def _lane_name(snap: KeySnapshot) -> str:
+    return f"{snap.scope} · {snap.key}"
+
+
+def _lane(snap: KeySnapshot, now: float, name_width: int = 36) -> Text:
+    lane = Text(no_wrap=True, overflow="ellipsis")  # one key, one line, however narrow the terminal
+    lane.append(_lane_name(snap)[:name_width].ljust(name_width) + " ", style="bold")
+    lane.append("[")
+    for i in range(max(snap.limit, len(snap.holders))):
+        if i < len(snap.holders):
+            holder = snap.holders[i]
+            lane.append(
+                "■" if holder.executing else "□", style="green" if holder.lease_expires_at > now else "red"
+            )
+        else:
+            lane.append("·", style="dim")
+    lane.append("] ")
+    for waiter in snap.waiters[:MAX_GLYPHS]:
+        lane.append(_WAITER_GLYPH.get(waiter.state, "?"), style="yellow")
+    if len(snap.waiters) > MAX_GLYPHS:
+        lane.append(f" +{len(snap.waiters) - MAX_GLYPHS}", style="yellow")
+    lane.append(f"  {len(snap.holders)}/{snap.limit} held, {len(snap.waiters)} waiting")
+    if snap.waiters:
+        oldest = max(now - w.created_at for w in snap.waiters)
+        lane.append(f", oldest {seconds(oldest)}", style="yellow" if oldest < 60 else "red")
+    lane.append(f"  token {snap.token}", style="dim")
+    return lane
+
+
+def top_renderable(
+    store: Store, snaps: Sequence[KeySnapshot], now: float, rate: float | None
+) -> RenderableType:
+    """One frame: header, legend, a lane per key, and the totals with the handoff rate."""
+    holders = sum(len(s.holders) for s in snaps)
+    waiters = sum(len(s.waiters) for s in snaps)
+    summary = Text(
+        f"keys {len(snaps)}  holders {holders}  waiters {waiters}  handoffs/s "
+        + ("–" if rate is None else f"{rate:.1f}"),
+        style="bold",
+    )
+    header = Text(
+        f"singleton-tasks top · {store.url} · namespace {store.namespace} · {clock_time(now)}",
+        style="dim",
+        no_wrap=True,
+        overflow="ellipsis",
+    )
+    legend = Text("■ executing  □ waiting for retry  · free slot   ○ pending  ● gated  ◉ woken", style="dim")
+    name_width = min(60, max((len(_lane_name(s)) for s in snaps), default=0))
+    lanes: list[RenderableType] = [_lane(s, now, name_width) for s in snaps]
+    if not lanes:
+        lanes.append(Text("no keys with holders or waiters"))
+    return Group(header, legend, *lanes, summary)
+
+
+def top_frame(store: Store, state: TopState | None = None, *, now: float | None = None) -> RenderableType:
+    """One frame of ``top`` for ``store``; pass the same ``state`` to rate handoffs across frames."""
+    state = state or TopState()
+    snaps = snapshots(store)
+    now = store.time() if now is None else now
+    rate = state.advance(snaps, now)
+    return top_renderable(store, snaps, now, rate)
+
+
+def render_top_frame(
+    store: Store, state: TopState | None = None, *, now: float | None = None, width: int = 160
+) -> str:
+    """One ``top`` frame as plain text."""
+    return render_text(top_frame(store, state, now=now), width=width)
+
+
+@click.command()
+@store_options
+@click.option(
+    "--interval",
+    default=1.0,
+    show_default=True,
+    type=click.FloatRange(min=0.1),
+    help="Seconds between refreshes.",
+)
+@click.option("--once", is_flag=True, help="Render one frame and exit.")
+def top(store_url: str | None, namespace: str, interval: float, once: bool) -> None:
+    """A live view: one lane per key, holders as slots, waiters queued behind them."""
+    from rich.live import Live
+
+    with open_store(store_url, namespace) as store:
+        state = TopState()
+        if once:
+            Console(soft_wrap=False).print(top_frame(store, state))
+            return
+        try:
+            with Live(top_frame(store, state), auto_refresh=False, screen=False) as live:
+                while True:
+                    # The refresh cadence of an interactive view, not a wait for a store event.
+                    time.sleep(interval)
+                    live.update(top_frame(store, state), refresh=True)
+        except KeyboardInterrupt:
+            pass
