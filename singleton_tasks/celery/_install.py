@@ -1,4 +1,4 @@
-"""Wiring the Celery adapter in: :func:`install`, the worker's bootsteps and the signal receivers.
+"""Wiring the Celery adapter in: :func:`install`, the worker's bootsteps and the signal connections.
 
 ``install`` records an app's store and timings and adds two worker bootsteps: the schema check
 before consuming, and the heartbeat thread that does the due work once the pool is up. The

@@ -344,6 +344,7 @@ def delay_of(options: Mapping[str, Any]) -> float:
 
 
 def warn_on_unsafe_acks(name: str, attributes: Mapping[str, Any]) -> None:
+    """Warn when a singleton task turns off what takeover needs (docs/concepts.md#takeover)."""
     for option in ("acks_late", "reject_on_worker_lost"):
         if attributes.get(option) is False:
             warnings.warn(

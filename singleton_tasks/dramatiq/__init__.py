@@ -63,6 +63,7 @@ from ._internals import (
     connect_publishing_thread,
     fetch_for_this_worker,
     keep_results_away,
+    names_as_continuation,
     on_consumer_thread,
 )
 from ._payload import DEAD_GENERATION, GENERATION, WOKEN_AT, generation_of, wake_message
@@ -288,12 +289,7 @@ class SingletonMiddleware(dramatiq.Middleware):
             return False
         if delivery.body_done:
             return True  # after the body: pipelines, group and success/failure callbacks
-        options = delivery.message.options
-        target = options.get("pipe_target")
-        if isinstance(target, dict) and target.get("message_id") == message.message_id:
-            return True
-        callbacks = options.get("group_completion_callbacks") or ()
-        return any(isinstance(c, dict) and c.get("message_id") == message.message_id for c in callbacks)
+        return names_as_continuation(delivery.message.options, message.message_id)
 
     # -- gate hook -------------------------------------------------------------------------
     def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
