@@ -141,6 +141,52 @@ def adopt(function: object) -> BoundSingleton | None:
     return state.bound
 
 
+def resolve_declaration(
+    task_name: str,
+    *,
+    marked: BoundSingleton | None = None,
+    option: object = None,
+    adopted: BoundSingleton | None = None,
+) -> SingletonConfig | None:
+    """The config a task was declared with, to bind now; None when there is nothing (more) to bind.
+
+    A task is declared a singleton once: by ``@singleton`` written under the framework's decorator
+    (``marked``, what :func:`adopt` found on its function) or by the framework's ``singleton``
+    option (``option``, not bound yet). ``adopted`` is the binding the task has already; finding
+    it again is a no-op, finding another declaration is an error.
+    """
+    if adopted is not None:
+        if marked is not None and marked.config is not adopted.config:
+            raise declared_twice(task_name)
+        return None
+    if marked is not None and option is not None:
+        raise declared_twice(task_name)
+    if marked is not None:
+        return marked.config
+    if option is not None:
+        return SingletonConfig.coerce(option, task_name=task_name)
+    return None
+
+
+def declared_twice(task_name: str) -> SingletonConfigError:
+    """The error of a task declared a singleton both by ``@singleton`` and by its option."""
+    return SingletonConfigError(
+        f"{task_name} is declared a singleton twice (@singleton and singleton=...); declare it once"
+    )
+
+
+def signature_of(function: object, *, bound: bool = False) -> inspect.Signature | None:
+    """How callers pass arguments to ``function`` (without its first parameter if ``bound``: the
+    task or ``self`` a framework passes); None when Python cannot tell."""
+    try:
+        signature = inspect.signature(function)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+    if bound:
+        return signature.replace(parameters=list(signature.parameters.values())[1:])
+    return signature
+
+
 def describe(task: object) -> TaskDescription:
     _load_adapters()
     for describer in [*_describers, describe_function]:

@@ -36,7 +36,7 @@ from singleton_tasks import (
     singleton,
     store_from_url,
 )
-from singleton_tasks.dramatiq import GENERATION, PayloadError, QueueFull, SingletonMiddleware
+from singleton_tasks.dramatiq import GENERATION, InvalidKey, PayloadError, QueueFull, SingletonMiddleware
 from singleton_tasks.gate import Timings
 from singleton_tasks.outcomes import RegisterOutcome, RunSpec, RunState
 from singleton_tasks.stores import SCHEMA_VERSION
@@ -615,7 +615,7 @@ def test_key_errors_at_send_and_at_processing(
     env.start()
     with pytest.raises(SingletonKeyError) as caught:
         keyed.send(7, "bad-send")
-    assert isinstance(caught.value, MiddlewareError)
+    assert isinstance(caught.value, InvalidKey) and isinstance(caught.value, MiddlewareError)
     assert "bad-send" not in env.probe.labels_published()
     # Another producer enqueued it without the middleware: the gate fails it to the dead letters.
     raw = dramatiq.Message(queue_name=QUEUE, actor_name="keyed", args=(7, "raw"), kwargs={}, options={})

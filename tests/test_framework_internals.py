@@ -28,6 +28,8 @@ import redis.sentinel
 from celery import Celery, shared_task
 from conftest import REDIS_URL, require_server
 from dramatiq.brokers.stub import StubBroker
+from dramatiq.middleware import GroupCallbacks
+from dramatiq.rate_limits.backends import StubBackend as RateLimitStubBackend
 
 from singleton_tasks.celery import _internals as celery_internals
 from singleton_tasks.dramatiq import _internals as dramatiq_internals
@@ -281,6 +283,32 @@ def _backed_off_redis_worker(
 
 
 @pytest.mark.redis
+def test_dramatiq_8_pipeline_steps_and_group_callbacks_are_named_by_the_delivered_message() -> None:
+    broker = StubBroker()
+    broker.add_middleware(GroupCallbacks(RateLimitStubBackend()))
+    enqueued: list[dramatiq.Message[Any]] = []
+
+    class Watch(dramatiq.Middleware):
+        def before_enqueue(self, broker: Any, message: Any, delay: Any) -> None:
+            enqueued.append(message)
+
+    broker.add_middleware(Watch())
+
+    @dramatiq.actor(broker=broker)
+    def step(x: int = 0) -> None: ...
+
+    first, second = step.message(1), step.message(2)
+    pipe = dramatiq.pipeline([first, second], broker=broker)
+    assert dramatiq_internals.names_as_continuation(pipe.messages[0].options, pipe.messages[1].message_id)
+    callback = step.message(3)
+    members = dramatiq.group([step.message(4)], broker=broker)
+    members.add_completion_callback(callback)
+    members.run()
+    (member,) = enqueued
+    assert dramatiq_internals.names_as_continuation(member.options, callback.message_id)
+    assert not dramatiq_internals.names_as_continuation(member.options, first.message_id)
+
+
 def test_dramatiq_7_a_worker_thread_fetches_past_a_backed_off_redis_consumer() -> None:
     ran = threading.Event()
     assert dramatiq_internals.fetch_for_this_worker("any") == 0, "not a worker thread: nothing fetched"

@@ -9,17 +9,15 @@ is in :mod:`._internals`.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Mapping
 from typing import Any
 
 from celery import Celery, Task
 from celery.local import PromiseProxy, Proxy
 
-from ..config import BoundSingleton, SingletonConfig
-from ..decorator import TaskDescription, adopt, register_describer
+from ..config import BoundSingleton
+from ..decorator import TaskDescription, adopt, register_describer, resolve_declaration, signature_of
 from ..errors import SingletonConfigError
-from . import SingletonTask, drop_first_parameter, warn_on_unsafe_acks
 from ._internals import (
     active_apps,
     adopt_tasks_as_made,
@@ -31,8 +29,7 @@ from ._internals import (
     replace_task_class,
     shared_task_parts,
 )
-
-_TWICE = "{} is declared a singleton twice (@singleton and singleton=...); declare it once"
+from ._task import SingletonTask, warn_on_unsafe_acks
 
 
 # -- adoption: tasks declared without SingletonTask ---------------------------------------------
@@ -57,18 +54,13 @@ def _adopt(task: Any) -> None:
     """Upgrade ``task`` to a singleton if it was declared one without SingletonTask."""
     cls = type(task)
     run = getattr(task, "run", None)
-    declared = adopt(run) if run is not None else None
-    option = None if issubclass(cls, SingletonTask) else getattr(cls, "singleton", None)
-    if declared is None and option is None:
-        return
-    if issubclass(cls, SingletonTask) and cls._singleton_bound is not None:
-        if declared is not None and cls._singleton_bound.config is not declared.config:
-            raise SingletonConfigError(_TWICE.format(task.name))
-        return  # adopted already
-    if declared is not None and option is not None:
-        raise SingletonConfigError(_TWICE.format(task.name))
-    config = declared.config if declared is not None else SingletonConfig.coerce(option, task_name=task.name)
-    _upgrade(task, BoundSingleton.bind(config, task_name=task.name, signature=_signature(task.run)))
+    marked = adopt(run) if run is not None else None
+    if issubclass(cls, SingletonTask):
+        config = resolve_declaration(task.name, marked=marked, adopted=cls._singleton_bound)
+    else:
+        config = resolve_declaration(task.name, marked=marked, option=getattr(cls, "singleton", None))
+    if config is not None:
+        _upgrade(task, BoundSingleton.bind(config, task_name=task.name, signature=signature_of(task.run)))
 
 
 # Every app, also one that install() never saw, adopts its declared tasks once it is finalized
@@ -104,14 +96,6 @@ def _upgrade(task: Any, bound: BoundSingleton, explicit: Mapping[str, Any] | Non
 
 
 # -- @singleton on a Celery task ------------------------------------------------------------------
-def _signature(fun: Any, *, bind: bool = False) -> inspect.Signature | None:
-    try:
-        signature = inspect.signature(fun)
-    except (TypeError, ValueError):
-        return None
-    return drop_first_parameter(signature) if bind else signature
-
-
 def _cannot(task: object, why: str) -> SingletonConfigError:
     return SingletonConfigError(
         f"@singleton cannot handle {type(task).__name__} {why}; put @singleton directly on @app.task or "
@@ -133,7 +117,7 @@ def _describe_promise(proxy: Any) -> TaskDescription:
         proxy.__then__(lambda: _upgrade(proxy._get_current_object(), bound, options))
         return proxy
 
-    return TaskDescription(name, _signature(fun, bind=bool(options.get("bind"))), attach)
+    return TaskDescription(name, signature_of(fun, bound=bool(options.get("bind"))), attach)
 
 
 def _describe_shared(proxy: Any) -> TaskDescription:
@@ -163,7 +147,7 @@ def _describe_shared(proxy: Any) -> TaskDescription:
         return proxy
 
     name = explicit_name or f"{fun.__module__}.{fun.__name__}"
-    return TaskDescription(name, _signature(fun), attach)
+    return TaskDescription(name, signature_of(fun), attach)
 
 
 def _describe_task(task: Any) -> TaskDescription:
@@ -171,7 +155,7 @@ def _describe_task(task: Any) -> TaskDescription:
         _upgrade(task, bound)
         return task
 
-    return TaskDescription(task.name, _signature(task.run), attach)
+    return TaskDescription(task.name, signature_of(task.run), attach)
 
 
 @register_describer

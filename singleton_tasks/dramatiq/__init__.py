@@ -1,24 +1,23 @@
 """Dramatiq: ``SingletonMiddleware`` gates singleton actors (docs/concepts.md).
 
 The rules live in the store and the shared worker logic in :class:`~singleton_tasks.runtime.Gatekeeper`;
-this module only maps Dramatiq's hooks onto them:
+the middleware only maps Dramatiq's hooks onto them:
 
 - ``before_enqueue`` registers a new run (the backlog cap raises here), ``after_enqueue`` hands its confirm
-  to the process's confirm thread (batched, off the caller's thread);
-  every message the library has seen carries ``options["singleton_gen"]`` (its copy's generation), so
-  re-publishes of a known run (retries, delay-queue moves, deferrals, wakes) pass through untouched.
+  to the process's confirm thread (batched, off the caller's thread); re-publishes of a known run
+  (retries, delay-queue moves, deferrals, wakes) carry its generation and pass through untouched.
 - ``before_process_message`` claims a slot; a denied delivery is deferred as a delayed copy and skipped
   (acked, not failed, retries untouched, Results kept away).
 - ``before_ack`` / ``before_nack`` settle: a retry of the delivery seen on this thread (Retries' enqueue
   of the same message id) keeps the slot, anything else releases it and wakes the next waiters.
 
-Errors raised to the caller of ``.send()`` subclass :class:`dramatiq.middleware.MiddlewareError`:
-``Broker.emit_before`` swallows every other exception (and the message would be published anyway).
+The declarations are read in :mod:`._declaration`, the copies' options and wake messages made in
+:mod:`._payload`, the errors ``.send()`` raises defined in :mod:`._errors` (each a ``MiddlewareError``:
+``Broker.emit_before`` swallows any other), Dramatiq's internals reached in :mod:`._internals`.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
 import threading
 from collections.abc import Sequence
@@ -31,9 +30,9 @@ try:
     import dramatiq
 except ImportError as error:
     raise missing("singleton_tasks.dramatiq", "Dramatiq", "dramatiq", error) from error
-from dramatiq.middleware import MiddlewareError, SkipMessage
+from dramatiq.middleware import SkipMessage
 
-from .. import admission, clock
+from .. import admission
 from .. import errors as core
 from ..config import (
     DEFAULT_LEASE,
@@ -42,22 +41,32 @@ from ..config import (
     DEFAULT_RETRY_DELAY,
     DEFAULT_RETRY_JITTER,
     BoundSingleton,
-    SingletonConfig,
 )
-from ..decorator import TaskDescription, adopt, register_describer
+from ..decorator import TaskDescription, register_describer
 from ..outcomes import Decision, Registered, RunSpec, Wake
-from ..runtime import GENERATION_FIELD, Gatekeeper
+from ..runtime import Gatekeeper
 from ..stores import Store, redact_url
+from ._declaration import OPTION, adopt_declared_actor, bound_for, bound_of, describe_actor
+from ._errors import (
+    ConfigError,
+    DeferralFailed,
+    InvalidKey,
+    KeyFailed,
+    PayloadError,
+    QueueFull,
+    SchemaError,
+    StoreUnavailable,
+    for_sender,
+)
 from ._internals import (
     QuietSkips,
     connect_publishing_thread,
     fetch_for_this_worker,
-    guard_message_building,
-    immediate_copy,
     keep_results_away,
+    names_as_continuation,
     on_consumer_thread,
-    priority_options,
 )
+from ._payload import DEAD_GENERATION, GENERATION, WOKEN_AT, generation_of, wake_message
 
 if TYPE_CHECKING:
     import contextvars
@@ -67,47 +76,6 @@ if TYPE_CHECKING:
     from dramatiq.worker import Worker, WorkerThread
 
 logger = logging.getLogger("singleton_tasks")
-
-OPTION = "singleton"
-#: The generation of a copy; present on every message the library has seen (absent = 0).
-GENERATION = GENERATION_FIELD
-#: When a wake copy was published (the handoff-latency metric).
-WOKEN_AT = "singleton_woken_at"
-#: Generation put on a duplicate start of a registered run id: never live, so the copy is dropped.
-_DEAD_GENERATION = -1
-
-
-class QueueFull(core.SingletonQueueFullError, MiddlewareError):
-    """The key's backlog is full: raised by ``.send()``, nothing published (docs/concepts.md#backlog-cap)."""
-
-
-class SingletonKeyError(core.SingletonKeyError, MiddlewareError):
-    """The run's key could not be derived: raised by ``.send()``, nothing published."""
-
-
-class KeyFailed(SingletonKeyError, SkipMessage):
-    """A delivery whose key cannot be derived: failed to the dead-letter queue, not retried."""
-
-
-class PayloadError(core.SingletonPayloadError, MiddlewareError):
-    """The message cannot be encoded (an argument JSON cannot carry): raised by ``.send()``,
-    nothing registered or published."""
-
-
-class StoreUnavailable(core.StoreUnavailableError, MiddlewareError):
-    """The store failed at enqueue: raised by ``.send()``, nothing published."""
-
-
-class ConfigError(core.SingletonConfigError, MiddlewareError):
-    """A malformed ``singleton`` option or store URL: raised at declaration, ``.send()`` or worker boot."""
-
-
-class SchemaError(core.SchemaVersionError, MiddlewareError):
-    """The store's schema is missing or incompatible: the worker refuses to start, ``.send()`` raises."""
-
-
-class DeferralFailed(MiddlewareError):
-    """The deferred copy could not be published: the delivery fails instead of being lost."""
 
 
 @dataclass
@@ -193,9 +161,7 @@ class SingletonMiddleware(dramatiq.Middleware):
         its option here.
         """
         try:
-            _adopt(actor)
-            if actor.options.get(OPTION) is not None:
-                _bind(actor)
+            adopt_declared_actor(actor)
         except core.SingletonConfigError as error:
             raise ConfigError(str(error)) from error
 
@@ -209,7 +175,9 @@ class SingletonMiddleware(dramatiq.Middleware):
         self._quiet.install()
         # The heartbeat thread publishes the copies the store issues for keys nobody calls.
         self.gatekeeper.publish_wakes = lambda wakes: self._wake(broker, wakes)
-        singletons = [bound for actor in list(broker.actors.values()) if (bound := _bind(actor)) is not None]
+        singletons = [
+            bound for actor in list(broker.actors.values()) if (bound := bound_of(actor)) is not None
+        ]
         try:
             self.gatekeeper.check(singletons)
         except core.SchemaVersionError as error:
@@ -220,7 +188,7 @@ class SingletonMiddleware(dramatiq.Middleware):
             # A MiddlewareError leaves Worker.start(): the worker process exits instead of
             # deferring every singleton message forever.
             logger.critical("singleton-tasks: the worker cannot start: %s", error)
-            raise _for_sender(error) from error
+            raise for_sender(error) from error
 
     def after_worker_thread_boot(self, broker: Broker, thread: WorkerThread) -> None:
         """Open this thread's broker connection now: a first wake must not wait for a connect."""
@@ -236,7 +204,7 @@ class SingletonMiddleware(dramatiq.Middleware):
         """Register a new singleton run atomically with the backlog cap (docs/concepts.md)."""
         if GENERATION in message.options:
             return  # seen before: a retry, a delay-queue move, a deferral, a wake
-        bound = _bound_for(broker, message.actor_name)
+        bound = bound_for(broker, message.actor_name)
         if bound is None:
             return
         lenient = self._is_continuation(message)
@@ -245,7 +213,7 @@ class SingletonMiddleware(dramatiq.Middleware):
         except core.SingletonKeyError as error:
             if lenient:  # never raise into emit_after: the gate fails it to the dead letters
                 return
-            raise SingletonKeyError(str(error)) from error
+            raise InvalidKey(str(error)) from error
         try:
             # Encoded before anything is written: the store issues the run from it if its
             # copies are lost, and a message that cannot be encoded leaves no trace.
@@ -286,12 +254,12 @@ class SingletonMiddleware(dramatiq.Middleware):
                 self.gatekeeper.settle_or_retry(
                     lambda: self.gatekeeper.unregister(spec), f"undoing the registration of run {spec.run_id}"
                 )
-            raise _for_sender(error) from error
+            raise for_sender(error) from error
         if outcome.status is Registered.EXISTS:
             # A start of a run id that is already in line: this copy is dropped at the gate
             # (docs/concepts.md#keys-vs-run-ids).
             logger.info("%s run %s already registered: duplicate start dropped", bound.task_name, spec.run_id)
-            message.options[GENERATION] = _DEAD_GENERATION
+            message.options[GENERATION] = DEAD_GENERATION
             return
         message.options[GENERATION] = 0
         self._local.pending = (message.message_id, spec)
@@ -321,22 +289,17 @@ class SingletonMiddleware(dramatiq.Middleware):
             return False
         if delivery.body_done:
             return True  # after the body: pipelines, group and success/failure callbacks
-        options = delivery.message.options
-        target = options.get("pipe_target")
-        if isinstance(target, dict) and target.get("message_id") == message.message_id:
-            return True
-        callbacks = options.get("group_completion_callbacks") or ()
-        return any(isinstance(c, dict) and c.get("message_id") == message.message_id for c in callbacks)
+        return names_as_continuation(delivery.message.options, message.message_id)
 
     # -- gate hook -------------------------------------------------------------------------
     def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
         """Claim a slot; a denied delivery is deferred and skipped, never run (docs/concepts.md)."""
-        bound = _bound_for(broker, message.actor_name)
+        bound = bound_for(broker, message.actor_name)
         delivery = _Delivery(message, bound, seen=True)
         self._local.delivery = delivery
         if bound is None:
             return
-        generation = _generation(message)
+        generation = generation_of(message)
         delivery.generation = generation
         # Re-publishes of this delivery (Retries) carry the tag, so they pass before_enqueue.
         message.options.setdefault(GENERATION, generation)
@@ -436,7 +399,7 @@ class SingletonMiddleware(dramatiq.Middleware):
         delivery = self._delivery()
         if delivery is None or delivery.message is not message:
             # Our gate never saw it: an earlier middleware skipped or failed it.
-            delivery = _Delivery(message, _bound_for(broker, message.actor_name), seen=False)
+            delivery = _Delivery(message, bound_for(broker, message.actor_name), seen=False)
             self._local.delivery = delivery
         delivery.body_done = True
         _leave(delivery)
@@ -494,7 +457,7 @@ class SingletonMiddleware(dramatiq.Middleware):
             spec = self.gatekeeper.spec(bound, message.message_id, message.args, message.kwargs)
         except core.SingletonKeyError:
             return  # never registered: a key is needed for that
-        generation = _generation(message)
+        generation = generation_of(message)
         self.gatekeeper.settle_or_retry(
             lambda: self.gatekeeper.settle_unrun_copy(
                 bound.task_name, spec, generation, lambda wakes: self._wake(broker, wakes)
@@ -513,48 +476,6 @@ class SingletonMiddleware(dramatiq.Middleware):
 
 
 # -- helpers -------------------------------------------------------------------------------
-def wake_message(broker: Broker, wake: Wake) -> dramatiq.Message[Any]:
-    """The message that wakes a waiter: its stored delivery, live as the wake's generation.
-
-    Used by the middleware after a release and by ``singleton-tasks release --broker``.
-    """
-    if wake.payload is None:
-        raise ValueError(f"run {wake.run_id} has no stored delivery to wake")
-    return immediate_copy(wake.payload, _wake_options(broker, wake))
-
-
-def _wake_options(broker: Broker, wake: Wake) -> dict[str, Any]:
-    """A wake's options; on RabbitMQ priority queues it goes ahead of everything still queued.
-
-    The woken run's turn has come and its key's slot waits for it: queued behind a backlog, the
-    handoff would take as long as the queue. ``max_priority`` is the user's broker setting
-    (``RabbitmqBroker(max_priority=N)`` declares the queues with ``x-max-priority``).
-    """
-    return {GENERATION: wake.generation, WOKEN_AT: clock.now(), **priority_options(broker)}
-
-
-def _for_sender(error: core.SingletonError) -> MiddlewareError:
-    """The same error as a MiddlewareError, the only kind Dramatiq lets reach ``.send()``."""
-    if isinstance(error, MiddlewareError):
-        return error
-    kinds: tuple[tuple[type[core.SingletonError], type[MiddlewareError]], ...] = (
-        (core.StoreUnavailableError, StoreUnavailable),
-        (core.SchemaVersionError, SchemaError),
-        (core.SingletonKeyError, SingletonKeyError),
-        (core.SingletonPayloadError, PayloadError),
-        (core.SingletonConfigError, ConfigError),
-    )
-    for core_kind, kind in kinds:
-        if isinstance(error, core_kind):
-            return kind(str(error))
-    return StoreUnavailable(str(error))
-
-
-def _generation(message: MessageProxy) -> int:
-    value = message.options.get(GENERATION, 0)
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0
-
-
 def _leave(delivery: _Delivery) -> None:
     if delivery.context is not None:
         context, delivery.context = delivery.context, None
@@ -564,98 +485,26 @@ def _leave(delivery: _Delivery) -> None:
             pass
 
 
-def _signature(actor: dramatiq.Actor[Any, Any]) -> inspect.Signature | None:
-    try:
-        return inspect.signature(actor.fn)
-    except (TypeError, ValueError):
-        return None
-
-
-def _bind(actor: dramatiq.Actor[Any, Any]) -> BoundSingleton | None:
-    """The actor's bound config; the option's dict / SingletonConfig form is bound once, in place."""
-    value = actor.options.get(OPTION)
-    if value is None or isinstance(value, BoundSingleton):
-        return value
-    config = SingletonConfig.coerce(value, task_name=actor.actor_name)
-    bound = BoundSingleton.bind(config, task_name=actor.actor_name, signature=_signature(actor))
-    actor.options[OPTION] = bound
-    return bound
-
-
-def _adopt(actor: dramatiq.Actor[Any, Any]) -> None:
-    """Give an actor whose function ``@singleton`` marked its ``singleton`` option (once)."""
-    declared = adopt(actor.fn)
-    if declared is None:
-        return
-    current = actor.options.get(OPTION)
-    if isinstance(current, BoundSingleton) and current.config is declared.config:
-        return  # adopted already
-    if current is not None:
-        raise core.SingletonConfigError(
-            f"{actor.actor_name} is declared a singleton twice (@singleton and singleton=...); "
-            "declare it once"
-        )
-    actor.options[OPTION] = BoundSingleton.bind(
-        declared.config, task_name=actor.actor_name, signature=_signature(actor)
-    )
-
-
-def _bound_for(broker: Broker, actor_name: str) -> BoundSingleton | None:
-    actor = broker.actors.get(actor_name)
-    if actor is None:
-        return None  # declared elsewhere only: a first-sight registration at its gate
-    return _bind(actor)
-
-
 def _has_middleware(broker: Broker) -> bool:
     return any(isinstance(m, SingletonMiddleware) for m in broker.middleware)
 
 
-def _describe_actor(task: object) -> TaskDescription | None:
-    """Teach ``@singleton`` Dramatiq actors: the config goes into the actor's ``singleton`` option."""
-    # type(), not isinstance(): isinstance would evaluate a Celery PromiseProxy (finalizing its app).
-    if not issubclass(type(task), dramatiq.Actor):
-        return None
-    actor: dramatiq.Actor[Any, Any] = task  # type: ignore[assignment]
+@register_describer
+def describe_dramatiq_actor(task: object) -> TaskDescription | None:
+    """Teach ``@singleton`` Dramatiq actors (see :mod:`._declaration`)."""
+    return describe_actor(task, has_middleware=_has_middleware)
 
-    def attach(bound: BoundSingleton) -> object:
-        if actor.options.get(OPTION) is not None:
-            raise core.SingletonConfigError(
-                f"{actor.actor_name} is declared a singleton twice (@singleton and singleton=...); "
-                "declare it once"
-            )
-        actor.options[OPTION] = bound
-        _require_middleware(actor)
-        return actor
-
-    return TaskDescription(actor.actor_name, _signature(actor), attach)
-
-
-def _require_middleware(actor: dramatiq.Actor[Any, Any]) -> None:
-    """Make building a message of the actor fail while its broker lacks the middleware."""
-
-    def check() -> None:
-        if not _has_middleware(actor.broker):
-            raise core.SingletonConfigError(
-                f"{actor.actor_name} is a singleton actor but its broker has no SingletonMiddleware: "
-                "add broker.add_middleware(SingletonMiddleware(...)) before importing actor modules; "
-                "nothing was sent"
-            )
-
-    guard_message_building(actor, check)
-
-
-register_describer(_describe_actor)
 
 __all__ = [
     "GENERATION",
     "ConfigError",
     "DeferralFailed",
+    "InvalidKey",
     "KeyFailed",
     "PayloadError",
     "QueueFull",
     "SchemaError",
-    "SingletonKeyError",
     "SingletonMiddleware",
     "StoreUnavailable",
+    "wake_message",
 ]

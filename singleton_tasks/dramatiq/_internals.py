@@ -25,6 +25,9 @@ fails when an upgrade changes one of them. Each is needed because Dramatiq offer
    has ``prefetch``, ``outstanding_message_count``, ``queued_message_ids`` and the broker's
    ``do_fetch`` script; ``ConsumerThread.handle_message`` puts a fetched message on the work
    queue, from which worker threads process and ack it through that consumer).
+8. A pipeline step's message names the next step in ``options["pipe_target"]``, and a group
+   member's message its completion callbacks in ``options["group_completion_callbacks"]`` (both
+   message dicts with a ``message_id``): enqueued after its body, they continue accepted work.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import dataclasses
 import logging
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import dramatiq
@@ -127,6 +130,16 @@ def keep_results_away(message: Any) -> None:
 def on_consumer_thread() -> bool:
     """Whether the calling thread is a worker's consumer, which only moves due delayed messages (6.)."""
     return isinstance(threading.current_thread(), ConsumerThread)
+
+
+def names_as_continuation(delivered_options: Mapping[str, Any], message_id: str) -> bool:
+    """Whether the delivered message names ``message_id`` as its next pipeline step or a group
+    completion callback (8.)."""
+    target = delivered_options.get("pipe_target")
+    if isinstance(target, dict) and target.get("message_id") == message_id:
+        return True
+    callbacks = delivered_options.get("group_completion_callbacks") or ()
+    return any(isinstance(c, dict) and c.get("message_id") == message_id for c in callbacks)
 
 
 def fetch_for_this_worker(queue_name: str) -> int:

@@ -1,0 +1,185 @@
+"""The run as a payload: its signature encoded as the JSON the store keeps, and the copies published from it.
+
+A registration stores the run's signature as kombu JSON (docs/concepts.md#the-line); a wake, or
+a store that issues a run again, decodes it and publishes the copy with a generation header.
+The library's own publishes (a deferral, a wake) are marked while they run, so ``apply_async``
+lets them through without registering them again (docs/concepts.md#keys-vs-run-ids).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+from celery import Celery
+from celery.canvas import Signature
+from kombu.utils import json as _kombu_json
+
+from .. import clock
+from ..errors import SingletonPayloadError
+from ..outcomes import Wake
+from ..runtime import GENERATION_FIELD
+
+logger = logging.getLogger("singleton_tasks")
+
+#: Message header naming the generation of a copy the library published (absent: 0).
+GENERATION_HEADER = GENERATION_FIELD
+#: When a wake copy was published (the handoff-latency metric).
+WOKEN_AT_HEADER = "singleton_woken_at"
+
+_json: Any = _kombu_json  # kombu is untyped; its JSON carries datetimes, UUIDs, Decimals
+
+# Set while the library re-publishes a run it handles (a deferral, a wake): those publishes
+# skip registration and the dedupe of docs/concepts.md#keys-vs-run-ids.
+_republishing: contextvars.ContextVar[bool] = contextvars.ContextVar("singleton_republishing", default=False)
+
+
+# -- the library's own publishes -----------------------------------------------------------
+@contextlib.contextmanager
+def republishing() -> Iterator[None]:
+    """Mark the publishes inside as the library's own (not new runs to register)."""
+    reset = _republishing.set(True)
+    try:
+        yield
+    finally:
+        _republishing.reset(reset)
+
+
+def is_republishing() -> bool:
+    """Whether the current publish is one the library makes (inside :func:`republishing`)."""
+    return _republishing.get()
+
+
+# -- the headers a copy carries ------------------------------------------------------------
+def _header(request: Any, name: str) -> Any:
+    """A custom header of the delivery (Celery also copies them onto the request)."""
+    return (request.headers or {}).get(name, getattr(request, name, None))
+
+
+def generation_of(request: Any) -> int:
+    """The generation of the delivered copy (0: a copy the library never published)."""
+    value = _header(request, GENERATION_HEADER)
+    try:
+        return int(value or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+def woken_at(request: Any) -> float | None:
+    """When the delivered copy was published as a wake, if it was one."""
+    value = _header(request, WOKEN_AT_HEADER)
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+# -- encoding ------------------------------------------------------------------------------
+def payload_to_register(
+    task: Any,
+    run_id: str,
+    args: Any,
+    kwargs: Any,
+    link: Any,
+    link_error: Any,
+    shadow: Any,
+    options: Mapping[str, Any],
+) -> bytes | None:
+    """The run as the store keeps it, encoded before anything is written (docs/concepts.md#the-line).
+
+    JSON is what a wake publishes. A task whose serializer is JSON and whose arguments JSON
+    cannot carry could not be published either: SingletonPayloadError, nothing written. Another
+    serializer (pickle) may carry what JSON cannot: such a run has no payload, and only its
+    own copies can run it.
+    """
+    payload = _encoded_payload(
+        task,
+        run_id,
+        lambda: _signature_for(task, args, kwargs, run_id, link, link_error, shadow, options),
+    )
+    if payload is not None:
+        return payload
+    serializer = options.get("serializer") or task.serializer or task._get_app().conf.task_serializer
+    if serializer == "json":
+        # Another serializer (pickle) may carry what JSON cannot, and an option only the
+        # producer uses (a Queue object, a connection) is never sent: only arguments fail.
+        try:
+            _json.dumps([args, kwargs])
+        except Exception as error:
+            raise SingletonPayloadError(
+                f"{task.name} run {run_id}: its arguments cannot be encoded as JSON ({error}); "
+                "nothing was sent"
+            ) from error
+    return None
+
+
+def payload_of(task: Any, request: Any) -> bytes | None:
+    """The delivery as a signature, so any process can re-publish it when it is woken."""
+
+    def signature() -> Signature:
+        delivered = task.signature_from_request(request, retries=request.retries)
+        delivered.options.pop("redelivered", None)
+        return delivered
+
+    return _encoded_payload(task, request.id, signature)
+
+
+def _signature_for(
+    task: Any,
+    args: Any,
+    kwargs: Any,
+    run_id: str,
+    link: Any,
+    link_error: Any,
+    shadow: Any,
+    options: Mapping[str, Any],
+) -> Signature:
+    """The run ``apply_async`` is about to publish, as ``payload_of`` would see it delivered."""
+    given = {"link": link, "link_error": link_error, "shadow": shadow}
+    signature_options = {**options, **{k: v for k, v in given.items() if v is not None}}
+    signature: Signature = task.signature(args, kwargs, **signature_options, task_id=run_id)
+    return signature
+
+
+def _json_payload(built: Signature) -> bytes:
+    """``built`` as the JSON a wake publishes (its generation header left out); raises when an
+    argument or option JSON cannot carry."""
+    options = built.options
+    options["headers"] = {k: v for k, v in (options.get("headers") or {}).items() if k != GENERATION_HEADER}
+    data: str = _json.dumps(dict(built))
+    return data.encode()
+
+
+def _encoded_payload(task: Any, run_id: str, signature: Callable[[], Signature]) -> bytes | None:
+    """``signature()`` as the JSON a wake publishes, or None when JSON cannot carry it (a release
+    then cannot wake the run: its retry timer does)."""
+    try:
+        return _json_payload(signature())
+    except Exception:
+        logger.debug("%s run %s has no payload for a wake", task.name, run_id, exc_info=True)
+        return None
+
+
+# -- decoding: the copies a wake publishes -------------------------------------------------
+def publish_wakes(app: Celery, wakes: Iterable[Wake]) -> None:
+    """Publish woken waiters at once; a failure leaves them to their retry timer (docs/concepts.md)."""
+    for wake in wakes:
+        if wake.payload is None:
+            continue
+        try:
+            signature = Signature.from_dict(_json.loads(wake.payload), app=app)
+            options = signature.options
+            for timing in ("countdown", "eta"):
+                options.pop(timing, None)
+            options["headers"] = {
+                **(options.get("headers") or {}),
+                GENERATION_HEADER: wake.generation,
+                WOKEN_AT_HEADER: clock.now(),
+            }
+            with republishing():
+                signature.apply_async()
+            logger.debug("woke run %s of key %r (generation %s)", wake.run_id, wake.key, wake.generation)
+        except Exception:
+            logger.warning(
+                "could not wake run %s of key %r; its retry timer will", wake.run_id, wake.key, exc_info=True
+            )
