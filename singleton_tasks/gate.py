@@ -1,61 +1,21 @@
 """The gate's rules, written once over a locked per-key transaction (docs/concepts.md).
 
-A store that keeps its data in rows or dicts implements :class:`KeyTransaction` (a handful
-of reads and writes of one key's records, under that key's lock) and gets every rule from
-here. The Redis store runs the same rules as Lua scripts; the contract suite and the model
-test keep the two identical.
+A store that keeps its data in rows or dicts implements
+:class:`~singleton_tasks.records.KeyTransaction` (a handful of reads and writes of one key's
+records, under that key's lock) and gets every rule from here. The Redis store runs the same
+rules as Lua scripts (``stores/lua/lib.lua`` mirrors this module function by function); the
+contract suite and the model test keep the two identical.
 
-Names of the three parts that decide a delivery, used the same way across the package:
+The words used here (holder, waiter, the line, pending, gated, woken, unconfirmed, issue, wake,
+re-issue, abandoned, settle, due...) are defined in docs/concepts.md#glossary. Throughout:
 
-- *the gate*: the decision every delivery of a singleton task passes before its body runs;
-  *the rules* are this module (``singleton_tasks.gate``), run by every store.
-- *the gatekeeper*: :class:`singleton_tasks.runtime.Gatekeeper`, one worker process's side of
-  the gate (its store, options and heartbeat thread), shared by both adapters.
-- *the gate hook*: where an adapter hands a delivery to the gatekeeper (Dramatiq:
-  ``SingletonMiddleware.before_process_message``; Celery: ``SingletonTask.before_start``).
-
-Glossary (docs/concepts.md has the user's account of each):
-
-- *holder*: a run that owns one of the key's ``limit`` slots; *waiter*: any other registered run
-  (*pending*: registered, never delivered; *gated*: delivered and deferred; *woken*: a copy of it
-  was issued for its turn). Every run counts against the backlog cap until it settles.
-- *the line*: the waiters in registration order (``seq``). The first ``limit - holders`` of them
-  *own* the free slots; nobody jumps the line.
-- *unconfirmed*: a registration whose publish is not known to have happened. It holds its place
-  for the registration grace (10 s); unconfirmed after that, its message was never published
-  and the registration is dropped (:func:`_housekeep`).
-- *payload*: the message a run is issued from (stored at registration, replaced by a delivered
-  copy); *issue*: the store gives a waiter a fresh live generation and names it in ``wakes``,
-  the caller publishes the payload.
-- *copy*: one message of a run; every copy the library publishes carries a *generation*, and a
-  run's record lists its *live* generations. A delivery of a generation that is not live is a
-  *stale copy*: dropped, never run, unless the store issued it in a write it has since lost
-  (:func:`issued_in_a_lost_write`): that copy is the run's, and it is live.
-- *wake*: the copy issued when a gated waiter's turn comes (a slot freed ahead of it).
-- *re-issue*: a waiter that owns a free slot and none of whose copies reached the store by its
-  ``reissue_at`` (its orphan timeout plus its re-check delay after it was last seen or issued;
-  after its delay for a run sent with one) is issued again: its copies may be lost (a purged
-  queue, a lost wake). Copies issued twice never run twice: one is admitted, the rest are stale.
-- *abandoned*: a waiter due for a re-issue that no copy reached for the store's ``retention``
-  and that was issued at least once (or has no payload to be issued from): its task is gone
-  from every worker, its payload cannot be published. Removed, reported in ``removed``. Only
-  settling, the operator and this remove a waiter.
-- *held back*: a message published with a delay by the library (Celery's held-back waiters);
-  its registration is *parked* (:func:`park`): it waits gated, so its turn wakes it at once.
-- *first sight*: a delivery of a run the store does not know (Celery's ``send_task``, a task
-  declared only where its workers run, a settled run re-driven): it is registered at its own
-  claim.
-- *takeover*: an admission over a holder whose lease lapsed while it was running (its worker
-  died or hung): the new holder gets a higher fencing token, the old one loses its slot.
-- *eviction*: a holder whose lease lapsed more than its orphan timeout ago is deleted (its body
-  ran, or runs no more: it is never issued again).
-- *due*: a key's ``due_at`` is the earliest time a call on it has work to do by itself (a
-  re-issue, an eviction with waiters behind it, an unconfirmed owner's expiry); the workers'
-  heartbeat threads call :func:`tick` on due keys, so a key with no traffic still moves.
-- *now*: always the store's clock (:meth:`KeyTransaction.now`), never a worker's.
+- *now* is always the store's clock (:meth:`~singleton_tasks.records.KeyTransaction.now`), never
+  a worker's.
 - Tokens and generations are drawn from the store's clock in microseconds combined with a
   counter (``max(previous + 1, now in µs)``): tokens keep increasing after a key's state
   expired, and a generation tells when its copy was issued.
+- The two hardest races are drawn as timelines: a wake racing a re-check (:func:`_issue`), and a
+  copy issued in a write the store lost (:func:`issued_in_a_lost_write`).
 """
 
 from __future__ import annotations
@@ -116,8 +76,22 @@ def issued_in_a_lost_write(run: RunRecord, generation: int) -> bool:
     generation the record knows, and issued after the record was created.
 
     Such a copy is the only one of its run left (its predecessors were acked when it was
-    published): dropped as stale, the run would never run. A re-driven run's record is newer than
-    every copy of the run's earlier life, so those stay stale.
+    published): dropped as stale, the run would never run. :func:`claim` restores it as live::
+
+        t0  worker A: claim(r, G1) -> GATED, deferred as G2; the primary writes live [G1, G2]
+        t1  worker A publishes the deferred copy G2 and acks G1: G2 is r's only message now
+        t2  the primary dies before t0's write reached its replica; the promoted replica has
+            r as before t0: generation G1, live [G1]
+        t3  worker B: claim(r, G2): G2 is not live, but G2 > r.generation (newer than anything
+            the record knows) and G2 >= micros(r.created_at) (issued during this record's
+            life): issued in a lost write -> live [G1, G2], and the claim goes on (admit, gate)
+
+    A run settled and sent again has a new record; a copy of its earlier life fails the second
+    test and stays stale::
+
+        t0  copy G1 of run r is issued; r settles, its record and marker are forgotten later
+        t1  r is sent again: a new record, created_at t1 (micros(t1) > G1)
+        t2  claim(r, G1): G1 > r.generation (0) but G1 < micros(r.created_at) -> STALE
     """
     return generation > run.generation and generation >= micros(run.created_at)
 
@@ -160,8 +134,20 @@ def _issue(run: RunRecord, now: float, scope: str, key: str) -> Wake:
 
     Every copy in flight stays live beside it: the last deferred one may never have been
     published (its claim's answer was lost, or its publish failed and the delivery was
-    re-published as it was), and a producer's copy may still be queued. Admission leaves one
-    live copy, so the run still runs once.
+    re-published as it was), and a producer's copy may still be queued. Admission
+    (:func:`_admit`) leaves one live copy, so the run still runs once. A wake racing the
+    re-check (the deferred copy) of the same run::
+
+        t0  worker A: claim(r, 0) -> GATED; A publishes r's re-check G1, delayed   live [0, G1]
+        t1  worker A acks the producer's copy                                       live [0, G1]
+        t2  worker B: release(holder) -> r is issued G2; B publishes the wake   live [0, G1, G2]
+        t3  worker C: claim(r, G2), the wake -> ADMITTED                            live [G2]
+        t4  worker D: claim(r, G1), the re-check -> G1 is not live: STALE, dropped
+
+    Either copy may come first (the wake queued behind other messages, or B died before
+    publishing it): then the re-check is admitted at t3 and the wake is the stale one. Had t2 left
+    G2 the only live copy and B died before publishing it, the re-check would be dropped as
+    stale and r would wait for its re-issue (``reissue_at``).
     """
     run.generation = _next(run.generation, now)
     run.live = [*run.live, run.generation]
@@ -504,6 +490,8 @@ def _admit(
     *,
     takeover: bool,
 ) -> ClaimOutcome:
+    """The run takes a slot with a new token; the admitted copy becomes its only live one, so
+    every other copy in flight (a wake, a re-check: :func:`_issue`) is stale."""
     meta.token = _next(meta.token, now)
     run.state = RunState.HOLDING
     run.token = meta.token
