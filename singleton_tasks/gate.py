@@ -11,20 +11,20 @@ re-issue, abandoned, settle, due...) are defined in docs/concepts.md#glossary. T
 
 - *now* is always the store's clock (:meth:`~singleton_tasks.records.KeyTransaction.now`), never
   a worker's.
-- Tokens and generations are drawn from the store's clock in microseconds combined with a
-  counter (``max(previous + 1, now in µs)``): tokens keep increasing after a key's state
-  expired, and a generation tells when its copy was issued.
+- Tokens and generations come from :mod:`singleton_tasks.generations` (the store's clock in
+  microseconds, with a counter).
 - The two hardest races are drawn as timelines: a wake racing a re-check (:func:`_issue`), and a
-  copy issued in a write the store lost (:func:`issued_in_a_lost_write`).
+  copy issued in a write the store lost
+  (:func:`singleton_tasks.generations.issued_in_a_lost_write`, which :func:`claim` asks).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .generations import issued_before, issued_in_a_lost_write, next_counter
 from .outcomes import (
     ClaimOutcome,
     Decision,
@@ -58,47 +58,6 @@ class Timings:
 
 
 _PAGE = 64
-
-
-def micros(now: float) -> int:
-    """A store time as whole microseconds: the clock part of tokens and generations."""
-    return math.floor(now * 1_000_000)
-
-
-def issued_before(generation: int, moment: float) -> bool:
-    """Whether a library copy of ``generation`` was issued before ``moment`` (0: the producer's copy)."""
-    return generation != 0 and generation < micros(moment)
-
-
-def issued_in_a_lost_write(run: RunRecord, generation: int) -> bool:
-    """Whether a copy of ``run`` carries a generation the store issued after it recorded the run,
-    in a write it no longer has (an asynchronous failover, an evicted Redis): newer than every
-    generation the record knows, and issued after the record was created.
-
-    Such a copy is the only one of its run left (its predecessors were acked when it was
-    published): dropped as stale, the run would never run. :func:`claim` restores it as live::
-
-        t0  worker A: claim(r, G1) -> GATED, deferred as G2; the primary writes live [G1, G2]
-        t1  worker A publishes the deferred copy G2 and acks G1: G2 is r's only message now
-        t2  the primary dies before t0's write reached its replica; the promoted replica has
-            r as before t0: generation G1, live [G1]
-        t3  worker B: claim(r, G2): G2 is not live, but G2 > r.generation (newer than anything
-            the record knows) and G2 >= micros(r.created_at) (issued during this record's
-            life): issued in a lost write -> live [G1, G2], and the claim goes on (admit, gate)
-
-    A run settled and sent again has a new record; a copy of its earlier life fails the second
-    test and stays stale::
-
-        t0  copy G1 of run r is issued; r settles, its record and marker are forgotten later
-        t1  r is sent again: a new record, created_at t1 (micros(t1) > G1)
-        t2  claim(r, G1): G1 > r.generation (0) but G1 < micros(r.created_at) -> STALE
-    """
-    return generation > run.generation and generation >= micros(run.created_at)
-
-
-def _next(counter: int, now: float) -> int:
-    """The next token or generation: above every earlier one, and at least the clock in µs."""
-    return max(counter + 1, micros(now))
 
 
 def _earliest(a: float | None, b: float | None) -> float | None:
@@ -149,7 +108,7 @@ def _issue(run: RunRecord, now: float, scope: str, key: str) -> Wake:
     G2 the only live copy and B died before publishing it, the re-check would be dropped as
     stale and r would wait for its re-issue (``reissue_at``).
     """
-    run.generation = _next(run.generation, now)
+    run.generation = next_counter(run.generation, now)
     run.live = [*run.live, run.generation]
     run.state = RunState.WOKEN
     run.reissue_at = _reissue_at(run, now)  # the issued copy is expected by then
@@ -453,7 +412,7 @@ def claim(
 
     if run.state is RunState.HOLDING:
         if run.executing and run.lease_expires_at > now:
-            run.generation = _next(run.generation, now)
+            run.generation = next_counter(run.generation, now)
             # This copy stays live until its deferred copy is published: a crash in between
             # redelivers it, and it must not be dropped as stale (the run would be lost).
             run.live = sorted({run.holder_generation, generation, run.generation})
@@ -469,7 +428,7 @@ def claim(
     free = meta.limit - len(tx.holders())
     if free > 0 and tx.waiters_before(run.seq) < free:
         return _admit(tx, meta, spec, run, generation, now, timings, done, takeover=False)
-    run.generation = _next(run.generation, now)
+    run.generation = next_counter(run.generation, now)
     run.live = sorted({generation, run.generation})
     run.state = RunState.GATED
     tx.save_run(run)
@@ -492,7 +451,7 @@ def _admit(
 ) -> ClaimOutcome:
     """The run takes a slot with a new token; the admitted copy becomes its only live one, so
     every other copy in flight (a wake, a re-check: :func:`_issue`) is stale."""
-    meta.token = _next(meta.token, now)
+    meta.token = next_counter(meta.token, now)
     run.state = RunState.HOLDING
     run.token = meta.token
     run.holder_generation = generation

@@ -35,7 +35,8 @@ from .config import (
     check_lease,
 )
 from .errors import SingletonConfigError, SingletonQueueFullError, StoreUnavailableError
-from .gate import DEFAULT_REGISTRATION_GRACE, issued_before
+from .gate import DEFAULT_REGISTRATION_GRACE
+from .generations import issued_before
 from .outcomes import (
     ClaimOutcome,
     Decision,

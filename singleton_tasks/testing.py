@@ -53,7 +53,8 @@ import pytest
 
 from . import clock
 from .errors import SchemaVersionError
-from .gate import Timings, micros
+from .gate import Timings
+from .generations import micros
 from .outcomes import (
     ClaimOutcome,
     Decision,

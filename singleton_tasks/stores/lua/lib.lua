@@ -4,7 +4,8 @@
 -- one FCALL per call); without functions it puts it in front of each operation script (one
 -- EVALSHA per call). Either way KEYS and ARGV reach lib.lua only as use_key's arguments, and
 -- nothing here may keep what one call learned for the next. Every function mirrors its namesake in
--- singleton_tasks/gate.py (or the KeyTransaction method it stands for): change both together.
+-- singleton_tasks/gate.py or generations.py (or the KeyTransaction method of records.py it stands
+-- for): change both together.
 --
 -- Data of one scope+key, all under one hash tag (one Redis Cluster slot):
 --   P = <namespace>:{<sha1 hex of the scope and key>}:   (the user's text is never in the tag)
@@ -72,7 +73,7 @@ local function server_time()
   return tonumber(t[1]) + tonumber(t[2]) / 1000000
 end
 
--- gate.micros / gate._next / gate.issued_before
+-- generations.micros / generations.next_counter / generations.issued_before
 local function micros(t)
   return math.floor(t * 1000000)
 end
@@ -85,7 +86,7 @@ local function issued_before(generation, moment)
   return generation ~= 0 and generation < micros(moment)
 end
 
--- gate.issued_in_a_lost_write: a copy the store issued in a write it has lost (a failover).
+-- generations.issued_in_a_lost_write: a copy the store issued in a write it has lost (a failover).
 local function issued_in_a_lost_write(run, generation)
   return generation > run.generation and generation >= micros(run.created_at)
 end
