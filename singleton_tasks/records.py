@@ -1,5 +1,4 @@
-"""A key's stored records (its counters and its runs), their codec, and the transaction a store
-reads and writes them through.
+"""A key's stored records, their codec, and the locked transaction that reads and writes them.
 
 Every store keeps the same two records per key (:class:`KeyMeta`, :class:`RunRecord`); the
 rules (:mod:`singleton_tasks.gate`) read and write them through :class:`KeyTransaction`. A run's
@@ -29,7 +28,8 @@ class KeyMeta:
     limit: int = 1
     #: The key has no runs: after this time it is forgotten (None while it has runs).
     idle_until: float | None = None
-    #: From then on a call on the key has work of its own (:func:`tick`); None: nothing due.
+    #: From then on a call on the key has work of its own (:func:`~singleton_tasks.gate.tick`);
+    #: None: nothing due.
     due_at: float | None = None
 
 
@@ -60,9 +60,6 @@ class RunRecord:
     def copy(self) -> RunRecord:
         return dataclasses.replace(self, live=list(self.live))
 
-
-#: RunRecord's fields in their declared order, the order of :func:`encode_run` and
-#: :func:`decode_run`. The SQL schema (stores/sql/) and the Lua (stores/lua/) name them again:
 
 #: RunRecord's fields in their declared order: the names a run's values are stored and decoded by.
 RUN_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(RunRecord))
