@@ -44,7 +44,7 @@ def issued_in_a_lost_write(run: RunRecord, generation: int) -> bool:
     A run settled and sent again has a new record; a copy of its earlier life fails the second
     test and stays stale::
 
-        t0  copy G1 of run r is issued; r settles, its record and marker are forgotten later
+        t0  copy G1 of run r is issued; then r settles: its record is removed
         t1  r is sent again: a new record, created_at t1 (micros(t1) > G1)
         t2  claim(r, G1): G1 > r.generation (0) but G1 < micros(r.created_at) -> STALE
     """
