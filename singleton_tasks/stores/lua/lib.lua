@@ -11,11 +11,11 @@
 --   P = <namespace>:{<sha1 hex of the scope and key>}:   (the user's text is never in the tag)
 --   P..'meta'              hash   scope, key (the real strings), token, seq, limit, idle_until (set
 --                                 while the key has no runs: then it expires after `retention`),
---                                 due_at (gate.KeyMeta.due_at; absent or '' for None)
+--                                 due_at (records.KeyMeta.due_at; absent or '' for None)
 --   P..'waiters'           zset   run ids not holding a slot, scored by seq (registration order)
 --   P..'holders'           zset   run ids holding a slot, scored by token
 --   P..'unconfirmed'       zset   unconfirmed run ids not holding a slot, scored by created_at
---   P..'run:'..run_id      hash   one run: the fields of gate.RunRecord (see load_run)
+--   P..'run:'..run_id      hash   one run: the fields of records.RunRecord (see load_run)
 --   P..'settled:'..run_id  string '<generation> <expires_at>' of a settled run, expiring with it
 -- and, outside P, the namespace's index of busy keys (a key is busy while it has holders or
 -- waiters: its holders or waiters zset exists) and its index of due keys:
