@@ -19,8 +19,8 @@ MAX_KEY_LENGTH = 512
 # Worker-side defaults (seconds), read by both adapters and the shared runtime.
 #: How long a holder's slot is safe without a heartbeat; heartbeats go at least 3 times per lease.
 DEFAULT_LEASE = 60.0
-#: How long after its lease lapsed an unclaimed holder is evicted; a waiter unseen this long
-#: (plus its longest re-check delay) is passed over.
+#: How long after its lease lapsed an unclaimed holder is evicted; a waiter that owns a slot and
+#: is unseen this long (plus its longest re-check delay) is issued again.
 DEFAULT_ORPHAN_TIMEOUT = 600.0
 #: Delay until a denied delivery is re-checked at the head of the line (the fallback of a wake).
 DEFAULT_RETRY_DELAY = 1.0

@@ -1,73 +1,30 @@
 """The gate's rules, written once over a locked per-key transaction (docs/concepts.md).
 
-A store that keeps its data in rows or dicts implements :class:`KeyTransaction` (a handful
-of reads and writes of one key's records, under that key's lock) and gets every rule from
-here. The Redis store runs the same rules as Lua scripts; the contract suite and the model
-test keep the two identical.
+A store that keeps its data in rows or dicts implements
+:class:`~singleton_tasks.records.KeyTransaction` (a handful of reads and writes of one key's
+records, under that key's lock) and gets every rule from here. The Redis store runs the same
+rules as Lua scripts (``stores/lua/lib.lua`` mirrors this module function by function); the
+contract suite and the model test keep the two identical.
 
-Names of the three parts that decide a delivery, used the same way across the package:
+The words used here (holder, waiter, the line, pending, gated, woken, unconfirmed, issue, wake,
+re-issue, abandoned, settle, due...) are defined in docs/concepts.md#glossary. Throughout:
 
-- *the gate*: the decision every delivery of a singleton task passes before its body runs;
-  *the rules* are this module (``singleton_tasks.gate``), run by every store.
-- *the gatekeeper*: :class:`singleton_tasks.runtime.Gatekeeper`, one worker process's side of
-  the gate (its store, options and heartbeat thread), shared by both adapters.
-- *the gate hook*: where an adapter hands a delivery to the gatekeeper (Dramatiq:
-  ``SingletonMiddleware.before_process_message``; Celery: ``SingletonTask.before_start``).
-
-Glossary (docs/concepts.md has the user's account of each):
-
-- *holder*: a run that owns one of the key's ``limit`` slots; *waiter*: any other registered run
-  (*pending*: registered, never delivered; *gated*: delivered and deferred; *woken*: a copy of it
-  was issued for its turn). Every run counts against the backlog cap until it settles.
-- *the line*: the waiters in registration order (``seq``). The first ``limit - holders`` of them
-  *own* the free slots; nobody jumps the line.
-- *unconfirmed*: a registration whose publish is not known to have happened. It holds its place
-  for the registration grace (10 s); unconfirmed after that, its message was never published
-  and the registration is dropped (:func:`_housekeep`).
-- *payload*: the message a run is issued from (stored at registration, replaced by a delivered
-  copy); *issue*: the store gives a waiter a fresh live generation and names it in ``wakes``,
-  the caller publishes the payload.
-- *copy*: one message of a run; every copy the library publishes carries a *generation*, and a
-  run's record lists its *live* generations. A delivery of a generation that is not live is a
-  *stale copy*: dropped, never run, unless the store issued it in a write it has since lost
-  (:func:`issued_in_a_lost_write`): that copy is the run's, and it is live.
-- *wake*: the copy issued when a gated waiter's turn comes (a slot freed ahead of it).
-- *re-issue*: a waiter that owns a free slot and none of whose copies reached the store by its
-  ``reissue_at`` (its orphan timeout plus its re-check delay after it was last seen or issued;
-  after its delay for a run sent with one) is issued again: its copies may be lost (a purged
-  queue, a lost wake). Copies issued twice never run twice: one is admitted, the rest are stale.
-- *abandoned*: a waiter due for a re-issue that no copy reached for the store's ``retention``
-  and that was issued at least once (or has no payload to be issued from): its task is gone
-  from every worker, its payload cannot be published. Removed, reported in ``removed``. Only
-  settling, the operator and this remove a waiter.
-- *held back*: a message published with a delay by the library (Celery's held-back waiters);
-  its registration is *parked* (:func:`park`): it waits gated, so its turn wakes it at once.
-- *first sight*: a delivery of a run the store does not know (Celery's ``send_task``, a task
-  declared only where its workers run, a settled run re-driven): it is registered at its own
-  claim.
-- *takeover*: an admission over a holder whose lease lapsed while it was running (its worker
-  died or hung): the new holder gets a higher fencing token, the old one loses its slot.
-- *eviction*: a holder whose lease lapsed more than its orphan timeout ago is deleted (its body
-  ran, or runs no more: it is never issued again).
-- *due*: a key's ``due_at`` is the earliest time a call on it has work to do by itself (a
-  re-issue, an eviction with waiters behind it, an unconfirmed owner's expiry); the workers'
-  heartbeat threads call :func:`tick` on due keys, so a key with no traffic still moves.
-- *now*: always the store's clock (:meth:`KeyTransaction.now`), never a worker's.
-- Tokens and generations are drawn from the store's clock in microseconds combined with a
-  counter (``max(previous + 1, now in µs)``): tokens keep increasing after a key's state
-  expired, and a generation tells when its copy was issued.
+- *now* is always the store's clock (:meth:`~singleton_tasks.records.KeyTransaction.now`), never
+  a worker's.
+- Tokens and generations come from :mod:`singleton_tasks.generations` (the store's clock in
+  microseconds, with a counter).
+- The two hardest races are drawn as timelines: a wake racing a re-check (:func:`_issue`), and a
+  copy issued in a write the store lost
+  (:func:`singleton_tasks.generations.issued_in_a_lost_write`, which :func:`claim` asks).
 """
 
 from __future__ import annotations
 
-import abc
-import dataclasses
-import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import DEFAULT_LEASE, DEFAULT_MAX_RETRY_DELAY, DEFAULT_ORPHAN_TIMEOUT, DEFAULT_RETRY_JITTER
+from .generations import issued_before, issued_in_a_lost_write, next_counter
 from .outcomes import (
     ClaimOutcome,
     Decision,
@@ -79,6 +36,7 @@ from .outcomes import (
     RunState,
     Wake,
 )
+from .records import KeyMeta, KeyTransaction, RunRecord
 
 #: An unconfirmed registration is dropped after this many seconds: its producer never published
 #: its message (it died between registering and publishing, or the publish failed unreported).
@@ -86,179 +44,6 @@ DEFAULT_REGISTRATION_GRACE = 10.0
 #: How long a store remembers a settled run and an idle key (seconds): one day. A waiter due for
 #: a re-issue that no copy reached for this long is abandoned.
 DEFAULT_RETENTION = 86_400.0
-
-
-@dataclass
-class KeyMeta:
-    """Per scope+key counters; ``seq`` restarts when the key has no runs."""
-
-    token: int = 0
-    seq: int = 0
-    limit: int = 1
-    #: The key has no runs: after this time it is forgotten (None while it has runs).
-    idle_until: float | None = None
-    #: From then on a call on the key has work of its own (:func:`tick`); None: nothing due.
-    due_at: float | None = None
-
-
-@dataclass
-class RunRecord:
-    """One registered run of a key."""
-
-    run_id: str
-    seq: int
-    state: RunState
-    created_at: float
-    confirmed: bool
-    generation: int  # highest generation allocated to this run's copies
-    live: list[int] = field(default_factory=list)  # generations whose delivery may act
-    payload: bytes | None = None  # the message to publish when the run is issued
-    token: int = 0
-    holder_generation: int = 0
-    admitted_at: float = 0.0
-    heartbeat_at: float = 0.0
-    lease_expires_at: float = 0.0
-    executing: bool = False
-    lease: float = DEFAULT_LEASE
-    orphan_timeout: float | None = DEFAULT_ORPHAN_TIMEOUT
-    recheck: float = DEFAULT_MAX_RETRY_DELAY + DEFAULT_RETRY_JITTER
-    seen_at: float = 0.0  # when a live copy (or the registration) last reached the store
-    reissue_at: float | None = None  # owning a slot and unseen by then, the run is issued again
-
-    def copy(self) -> RunRecord:
-        return dataclasses.replace(self, live=list(self.live))
-
-
-#: RunRecord's fields in their declared order, the order of :func:`encode_run` and
-#: :func:`decode_run`. The SQL schema (stores/sql/) and the Lua (stores/lua/) name them again:
-#: the contract suite checks every store against these rules.
-RUN_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(RunRecord))
-
-
-def encode_run(run: RunRecord) -> dict[str, object]:
-    """A run's stored values by field name: ``state`` as its value, ``live`` as ``"1,2"``, the
-    rest as they are."""
-    values: dict[str, object] = {name: getattr(run, name) for name in RUN_FIELDS}
-    values["state"] = run.state.value
-    values["live"] = ",".join(str(g) for g in run.live)
-    return values
-
-
-def _optional_float(value: object) -> float | None:
-    return None if value is None or value == b"" or value == "" else float(value)  # type: ignore[arg-type]
-
-
-def decode_run(run_id: str, values: Sequence[Any]) -> RunRecord:
-    """A run from its stored values in :data:`RUN_FIELDS` order after ``run_id``, as a driver
-    returns them: numbers as numbers, text or bytes; booleans as 0/1; ``None`` or empty for none."""
-    (
-        seq,
-        state,
-        created_at,
-        confirmed,
-        generation,
-        live,
-        payload,
-        token,
-        holder_generation,
-        admitted_at,
-        heartbeat_at,
-        lease_expires_at,
-        executing,
-        lease,
-        orphan_timeout,
-        recheck,
-        seen_at,
-        reissue_at,
-    ) = values
-    if isinstance(live, bytes):
-        live = live.decode()
-    return RunRecord(
-        run_id=run_id,
-        seq=int(seq),
-        state=RunState(state.decode() if isinstance(state, bytes) else state),
-        created_at=float(created_at),
-        confirmed=bool(int(confirmed)),
-        generation=int(generation),
-        live=[int(g) for g in live.split(",") if g] if live else [],
-        payload=None if payload is None else bytes(payload),
-        token=int(token),
-        holder_generation=int(holder_generation),
-        admitted_at=float(admitted_at),
-        heartbeat_at=float(heartbeat_at),
-        lease_expires_at=float(lease_expires_at),
-        executing=bool(int(executing)),
-        lease=float(lease),
-        orphan_timeout=_optional_float(orphan_timeout),
-        recheck=float(recheck),
-        seen_at=float(seen_at),
-        reissue_at=_optional_float(reissue_at),
-    )
-
-
-class KeyTransaction(abc.ABC):
-    """One key's records, read and written while that key is locked by the store."""
-
-    @abc.abstractmethod
-    def now(self) -> float:
-        """The store's clock (epoch seconds), read while the key is locked."""
-
-    @abc.abstractmethod
-    def meta(self) -> KeyMeta | None:
-        """The key's counters as stored, or None if there are none (never used, or forgotten)."""
-
-    @abc.abstractmethod
-    def save_meta(self, meta: KeyMeta) -> None:
-        """Create or update the key's counters.
-
-        With ``meta.idle_until`` set the key has no runs left: the store may delete everything
-        of it after that time (its settled markers expire by then too). ``meta.due_at`` must be
-        findable store-wide (:meth:`singleton_tasks.stores.RuleStore.due_keys`).
-        """
-
-    @abc.abstractmethod
-    def get_run(self, run_id: str) -> RunRecord | None:
-        """The run's record under this key."""
-
-    @abc.abstractmethod
-    def save_run(self, run: RunRecord) -> None:
-        """Insert or update a run's record."""
-
-    @abc.abstractmethod
-    def delete_run(self, run_id: str) -> None:
-        """Remove a run's record."""
-
-    @abc.abstractmethod
-    def holders(self) -> list[RunRecord]:
-        """The runs holding a slot (at most ``limit`` of them)."""
-
-    @abc.abstractmethod
-    def count_runs(self) -> int:
-        """Holders plus waiters of the key."""
-
-    @abc.abstractmethod
-    def waiters_from(self, after_seq: int, count: int) -> list[RunRecord]:
-        """Up to ``count`` waiters with ``seq > after_seq``, in registration order."""
-
-    @abc.abstractmethod
-    def waiters_before(self, seq: int) -> int:
-        """How many waiters registered before ``seq``."""
-
-    @abc.abstractmethod
-    def unconfirmed_before(self, before: float) -> list[str]:
-        """Run ids of the unconfirmed waiters created before ``before`` (``created_at < before``)."""
-
-    @abc.abstractmethod
-    def settled_generation(self, run_id: str, now: float) -> int | None:
-        """The admitted generation of a recently settled run, or None."""
-
-    @abc.abstractmethod
-    def mark_settled(self, run_id: str, generation: int, expires_at: float, now: float) -> None:
-        """Remember a settled run's admitted generation until ``expires_at``; drop expired ones."""
-
-    @abc.abstractmethod
-    def clear_settled(self, run_id: str) -> None:
-        """Forget a settled-run marker (the run is claimed anew)."""
 
 
 @dataclass(frozen=True)
@@ -273,33 +58,6 @@ class Timings:
 
 
 _PAGE = 64
-
-
-def micros(now: float) -> int:
-    """A store time as whole microseconds: the clock part of tokens and generations."""
-    return math.floor(now * 1_000_000)
-
-
-def issued_before(generation: int, moment: float) -> bool:
-    """Whether a library copy of ``generation`` was issued before ``moment`` (0: the producer's copy)."""
-    return generation != 0 and generation < micros(moment)
-
-
-def issued_in_a_lost_write(run: RunRecord, generation: int) -> bool:
-    """Whether a copy of ``run`` carries a generation the store issued after it recorded the run,
-    in a write it no longer has (an asynchronous failover, an evicted Redis): newer than every
-    generation the record knows, and issued after the record was created.
-
-    Such a copy is the only one of its run left (its predecessors were acked when it was
-    published): dropped as stale, the run would never run. A re-driven run's record is newer than
-    every copy of the run's earlier life, so those stay stale.
-    """
-    return generation > run.generation and generation >= micros(run.created_at)
-
-
-def _next(counter: int, now: float) -> int:
-    """The next token or generation: above every earlier one, and at least the clock in µs."""
-    return max(counter + 1, micros(now))
 
 
 def _earliest(a: float | None, b: float | None) -> float | None:
@@ -335,10 +93,22 @@ def _issue(run: RunRecord, now: float, scope: str, key: str) -> Wake:
 
     Every copy in flight stays live beside it: the last deferred one may never have been
     published (its claim's answer was lost, or its publish failed and the delivery was
-    re-published as it was), and a producer's copy may still be queued. Admission leaves one
-    live copy, so the run still runs once.
+    re-published as it was), and a producer's copy may still be queued. Admission
+    (:func:`_admit`) leaves one live copy, so the run still runs once. A wake racing the
+    re-check (the deferred copy) of the same run::
+
+        t0  worker A: claim(r, 0) -> GATED; A publishes r's re-check G1, delayed   live [0, G1]
+        t1  worker A acks the producer's copy                                       live [0, G1]
+        t2  worker B: release(holder) -> r is issued G2; B publishes the wake   live [0, G1, G2]
+        t3  worker C: claim(r, G2), the wake -> ADMITTED                            live [G2]
+        t4  worker D: claim(r, G1), the re-check -> G1 is not live: STALE, dropped
+
+    Either copy may come first (the wake queued behind other messages, or B died before
+    publishing it): then the re-check is admitted at t3 and the wake is the stale one. Had t2 left
+    G2 the only live copy and B died before publishing it, the re-check would be dropped as
+    stale and r would wait for its re-issue (``reissue_at``).
     """
-    run.generation = _next(run.generation, now)
+    run.generation = next_counter(run.generation, now)
     run.live = [*run.live, run.generation]
     run.state = RunState.WOKEN
     run.reissue_at = _reissue_at(run, now)  # the issued copy is expected by then
@@ -642,7 +412,7 @@ def claim(
 
     if run.state is RunState.HOLDING:
         if run.executing and run.lease_expires_at > now:
-            run.generation = _next(run.generation, now)
+            run.generation = next_counter(run.generation, now)
             # This copy stays live until its deferred copy is published: a crash in between
             # redelivers it, and it must not be dropped as stale (the run would be lost).
             run.live = sorted({run.holder_generation, generation, run.generation})
@@ -658,7 +428,7 @@ def claim(
     free = meta.limit - len(tx.holders())
     if free > 0 and tx.waiters_before(run.seq) < free:
         return _admit(tx, meta, spec, run, generation, now, timings, done, takeover=False)
-    run.generation = _next(run.generation, now)
+    run.generation = next_counter(run.generation, now)
     run.live = sorted({generation, run.generation})
     run.state = RunState.GATED
     tx.save_run(run)
@@ -679,7 +449,9 @@ def _admit(
     *,
     takeover: bool,
 ) -> ClaimOutcome:
-    meta.token = _next(meta.token, now)
+    """The run takes a slot with a new token; the admitted copy becomes its only live one, so
+    every other copy in flight (a wake, a re-check: :func:`_issue`) is stale."""
+    meta.token = next_counter(meta.token, now)
     run.state = RunState.HOLDING
     run.token = meta.token
     run.holder_generation = generation

@@ -67,7 +67,7 @@ class ClaimOutcome:
     takeover: bool = False  # ADMITTED over a holder whose lease had lapsed
     evicted: tuple[str, ...] = ()  # orphaned holders evicted by this call
     wakes: tuple[Wake, ...] = ()
-    removed: tuple[str, ...] = ()  # abandoned waiters removed by this call (gate.py's glossary)
+    removed: tuple[str, ...] = ()  # abandoned waiters removed by this call (docs/concepts.md#glossary)
 
 
 @dataclass(frozen=True)

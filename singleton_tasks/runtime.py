@@ -33,7 +33,8 @@ from .config import (
 )
 from .confirms import CONFIRM_FLUSH_TIMEOUT, Confirmer, Run
 from .errors import SingletonConfigError, SingletonQueueFullError, StoreUnavailableError
-from .gate import DEFAULT_REGISTRATION_GRACE, issued_before
+from .gate import DEFAULT_REGISTRATION_GRACE
+from .generations import issued_before
 from .heartbeat import Heartbeater, compare_clocks
 from .outcomes import (
     ClaimOutcome,

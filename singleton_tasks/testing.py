@@ -53,7 +53,8 @@ import pytest
 
 from . import clock
 from .errors import SchemaVersionError
-from .gate import Timings, micros
+from .gate import Timings
+from .generations import micros
 from .outcomes import (
     ClaimOutcome,
     Decision,
@@ -506,7 +507,7 @@ class _HandoffRules(_Contract):
         # timed out, a dropped connection), so it re-publishes the delivery it has, with that
         # delivery's own generation. The release that wakes the run loses its answer too (no
         # wake published). The copy actually in flight must still run the run: were it dropped
-        # as stale, nothing would ever run it and the key would wait until it is passed over.
+        # as stale, nothing would run it and the key would wait for the run's re-issue.
         store = make_store()
         h, w = spec("h"), spec("w")
         registered(store, h, T0)
@@ -617,7 +618,7 @@ class _HandoffRules(_Contract):
         # An asynchronous failover loses the write that gave a waiter's deferred copy its
         # generation: the promoted replica never saw it. That copy is the run's only one left
         # (the copy before it was acked when it was published): dropped as stale, the run would
-        # never run, and its key would wait for it to be passed over.
+        # not run, and its key would wait for the run's re-issue.
         store = make_store()
         h, w = spec("h", lease=60.0), spec("w", lease=60.0)
         token = admitted(store, h, 0, T0)

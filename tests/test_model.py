@@ -1,6 +1,6 @@
 """Model-based test: random operation sequences on a store and on a tiny reference model.
 
-The reference model below is written from gate.py's glossary and docs/concepts.md with naive
+The reference model below is written from the glossary and the rest of docs/concepts.md with naive
 lists (no sequence numbers, no pages, no transactions, no due hints), and shares no code with
 gate.py. Every answer of the store (decisions, tokens, generations, positions, wakes and
 re-issues, evictions, abandoned waiters, heartbeat losses, what a due key did) and its snapshot

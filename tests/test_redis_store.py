@@ -16,7 +16,7 @@ from conftest import REDIS_URL, require_server
 from redis_servers import as_written_by_version_3
 
 from singleton_tasks.errors import SingletonConfigError, StoreUnavailableError
-from singleton_tasks.gate import Timings, _optional_float
+from singleton_tasks.gate import Timings
 from singleton_tasks.outcomes import (
     ClaimOutcome,
     Decision,
@@ -27,6 +27,7 @@ from singleton_tasks.outcomes import (
     RunSpec,
     RunState,
 )
+from singleton_tasks.records import _optional_float
 from singleton_tasks.stores.memory import MemoryStore
 from singleton_tasks.testing import ManualClock, at
 

@@ -1,5 +1,5 @@
 """What the SQL stores share: their SQL files, a tiny DB-API cursor wrapper, and the one
-:class:`~singleton_tasks.gate.KeyTransaction` over it (SQLite and PostgreSQL alike).
+:class:`~singleton_tasks.records.KeyTransaction` over it (SQLite and PostgreSQL alike).
 
 The SQL lives in ``stores/sql/``: a schema file per dialect (a fresh install), numbered
 migrations per dialect (upgrades), and ``queries.sql`` with the runtime statements written
@@ -22,8 +22,8 @@ from typing import Any, ClassVar, Protocol
 
 from .. import gate
 from ..errors import SchemaVersionError, StoreUnavailableError
-from ..gate import KeyMeta, KeyTransaction, RunRecord
 from ..outcomes import HolderRef, KeySnapshot, RunState
+from ..records import KeyMeta, KeyTransaction, RunRecord, decode_run, encode_run
 from .base import SCHEMA_VERSION, RuleStore, snapshot_of
 
 #: How many expired settled markers (or idle keys) one settlement (or one key going idle) sweeps:
@@ -173,6 +173,9 @@ class DBCursor(Protocol):
     @property
     def rowcount(self) -> int: ...
 
+    @property
+    def description(self) -> Sequence[Sequence[Any]] | None: ...
+
     def execute(self, query: str, params: Any = ..., /) -> object: ...
 
     def fetchall(self) -> list[Any]: ...
@@ -213,6 +216,10 @@ class SQLCursor:
         self._execute(self.queries[name], params)
         return self._fetchall()
 
+    def columns(self) -> tuple[str, ...]:
+        """The column names of the last statement's rows (how run rows are decoded: by name)."""
+        return tuple(str(column[0]) for column in self._raw.description or ())
+
     def one(self, name: str, params: Mapping[str, Any]) -> tuple[Any, ...] | None:
         rows = self.all(name, params)
         return rows[0] if rows else None
@@ -232,9 +239,10 @@ class SQLCursor:
                     raise
 
 
-def _record(row: Sequence[Any], load_text: Callable[[str], str]) -> RunRecord:
-    """A run row, selected in RunRecord field order, as a record."""
-    return gate.decode_run(load_text(str(row[0])), row[1:])
+def _record(columns: Sequence[str], row: Sequence[Any], load_text: Callable[[str], str]) -> RunRecord:
+    """A run's row as a record, its values taken by column name (``columns``: the row's names)."""
+    values = dict(zip(columns, row, strict=True))
+    return decode_run(load_text(str(values["run_id"])), values)
 
 
 class SQLKeyTransaction(KeyTransaction):
@@ -288,11 +296,12 @@ class SQLKeyTransaction(KeyTransaction):
         """The holders and the number of runs, in one round trip, once."""
         if self._holders is None:
             rows = self._cursor.all("key_summary", self._key)
+            columns = self._cursor.columns()
             self._count = int(rows[0][0]) if rows else 0
             self._holders = {}
             for row in rows:
                 if row[1] is not None:
-                    run = self._keep(_record(row[1:], self._load))
+                    run = self._keep(_record(columns[1:], row[1:], self._load))
                     self._holders[run.run_id] = run
         return self._holders
 
@@ -332,12 +341,12 @@ class SQLKeyTransaction(KeyTransaction):
     def get_run(self, run_id: str) -> RunRecord | None:
         if run_id not in self._runs:
             row = self._cursor.one("get_run", {**self._key, "run_id": self._text(run_id)})
-            self._runs[run_id] = None if row is None else _record(row, self._load)
+            self._runs[run_id] = None if row is None else _record(self._cursor.columns(), row, self._load)
         run = self._runs[run_id]
         return None if run is None else run.copy()
 
     def save_run(self, run: RunRecord) -> None:
-        self._cursor.run("save_run", {**self._key, **gate.encode_run(run), "run_id": self._text(run.run_id)})
+        self._cursor.run("save_run", {**self._key, **encode_run(run), "run_id": self._text(run.run_id)})
         if self._holders is not None:
             if run.run_id not in self._runs:
                 self._holders = None  # whether this inserted a row is unknown: reload when asked
@@ -368,7 +377,8 @@ class SQLKeyTransaction(KeyTransaction):
         if not self._waiters_exist():
             return []
         rows = self._cursor.all("waiters_from", {**self._key, "after_seq": after_seq, "count": count})
-        return [self._keep(_record(row, self._load)).copy() for row in rows]
+        columns = self._cursor.columns()
+        return [self._keep(_record(columns, row, self._load)).copy() for row in rows]
 
     def waiters_before(self, seq: int) -> int:
         if not self._waiters_exist():
@@ -475,12 +485,13 @@ class SQLStore(RuleStore):
                     "key": None if key is None else text(key),
                 },
             )
+            columns = cursor.columns()[5:]  # the key's columns first (scope .. slot_limit), then the run's
         metas: dict[tuple[str, str], KeyMeta] = {}
         runs: dict[tuple[str, str], list[RunRecord]] = defaultdict(list)
         for row in rows:
             ident = (load(str(row[0])), load(str(row[1])))
             metas[ident] = KeyMeta(token=int(row[2]), seq=int(row[3]), limit=int(row[4]))
-            runs[ident].append(_record(row[5:], load))
+            runs[ident].append(_record(columns, row[5:], load))
         return [snapshot_of(s, k, metas[(s, k)], runs[(s, k)]) for s, k in sorted(metas)]
 
     @staticmethod

@@ -15,7 +15,7 @@ from urllib.parse import unquote_plus, urlsplit, urlunsplit
 from .. import gate
 from ..config import check_storable
 from ..errors import SingletonConfigError
-from ..gate import KeyMeta, KeyTransaction, RunRecord, Timings
+from ..gate import Timings
 from ..outcomes import (
     ClaimOutcome,
     DueOutcome,
@@ -30,6 +30,7 @@ from ..outcomes import (
     WaiterView,
     Wake,
 )
+from ..records import KeyMeta, KeyTransaction, RunRecord
 
 #: Version 2: store-side time, ``seen_at`` / ``passed_over_at`` per run, idle keys expire.
 #: Version 3: Redis lists its busy keys in an index (no change to the SQL schemas).

@@ -48,9 +48,8 @@ try:  # the driver, when installed (Store.check_drivers names the extra otherwis
 except ImportError:  # pragma: no cover - the core-only install (tests/test_extras.py)
     pass
 
-from .. import gate
 from ..errors import SingletonConfigError, StoreUnavailableError
-from ..gate import KeyMeta, RunRecord, Timings
+from ..gate import Timings
 from ..outcomes import (
     ClaimOutcome,
     Decision,
@@ -67,6 +66,7 @@ from ..outcomes import (
     WaiterView,
     Wake,
 )
+from ..records import RUN_FIELDS, KeyMeta, RunRecord, decode_run
 from .base import SCHEMA_VERSION, Clock, Store, redact_url, snapshot_of
 
 _OPERATIONS = (
@@ -324,11 +324,11 @@ def _pairs(flat: Sequence[bytes]) -> dict[bytes, bytes]:
     return dict(zip(flat[::2], flat[1::2], strict=True))
 
 
-_RUN_FIELDS = tuple(name.encode() for name in gate.RUN_FIELDS[1:])  # the run hash's fields
+_RUN_FIELDS = tuple(name.encode() for name in RUN_FIELDS[1:])  # the run hash's fields
 
 
 def _run_record(run_id: bytes, fields: dict[bytes, bytes]) -> RunRecord:
-    return gate.decode_run(_str(run_id), [fields.get(name) for name in _RUN_FIELDS])
+    return decode_run(_str(run_id), {name.decode(): fields.get(name) for name in _RUN_FIELDS})
 
 
 def _phantom_views(entries: Sequence[Sequence[Any]]) -> tuple[list[HolderView], list[WaiterView]]:

@@ -4,17 +4,18 @@
 -- one FCALL per call); without functions it puts it in front of each operation script (one
 -- EVALSHA per call). Either way KEYS and ARGV reach lib.lua only as use_key's arguments, and
 -- nothing here may keep what one call learned for the next. Every function mirrors its namesake in
--- singleton_tasks/gate.py (or the KeyTransaction method it stands for): change both together.
+-- singleton_tasks/gate.py or generations.py (or the KeyTransaction method of records.py it stands
+-- for): change both together.
 --
 -- Data of one scope+key, all under one hash tag (one Redis Cluster slot):
 --   P = <namespace>:{<sha1 hex of the scope and key>}:   (the user's text is never in the tag)
 --   P..'meta'              hash   scope, key (the real strings), token, seq, limit, idle_until (set
 --                                 while the key has no runs: then it expires after `retention`),
---                                 due_at (gate.KeyMeta.due_at; absent or '' for None)
+--                                 due_at (records.KeyMeta.due_at; absent or '' for None)
 --   P..'waiters'           zset   run ids not holding a slot, scored by seq (registration order)
 --   P..'holders'           zset   run ids holding a slot, scored by token
 --   P..'unconfirmed'       zset   unconfirmed run ids not holding a slot, scored by created_at
---   P..'run:'..run_id      hash   one run: the fields of gate.RunRecord (see load_run)
+--   P..'run:'..run_id      hash   one run: the fields of records.RunRecord (see load_run)
 --   P..'settled:'..run_id  string '<generation> <expires_at>' of a settled run, expiring with it
 -- and, outside P, the namespace's index of busy keys (a key is busy while it has holders or
 -- waiters: its holders or waiters zset exists) and its index of due keys:
@@ -72,7 +73,7 @@ local function server_time()
   return tonumber(t[1]) + tonumber(t[2]) / 1000000
 end
 
--- gate.micros / gate._next / gate.issued_before
+-- generations.micros / generations.next_counter / generations.issued_before
 local function micros(t)
   return math.floor(t * 1000000)
 end
@@ -85,7 +86,7 @@ local function issued_before(generation, moment)
   return generation ~= 0 and generation < micros(moment)
 end
 
--- gate.issued_in_a_lost_write: a copy the store issued in a write it has lost (a failover).
+-- generations.issued_in_a_lost_write: a copy the store issued in a write it has lost (a failover).
 local function issued_in_a_lost_write(run, generation)
   return generation > run.generation and generation >= micros(run.created_at)
 end

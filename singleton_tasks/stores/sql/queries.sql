@@ -5,7 +5,8 @@
 -- them to psycopg's `%(name)s` when the file is loaded. Comment lines inside a section are
 -- dropped at load. Data is always bound, never formatted into the text.
 --
--- Run columns are always selected in RunRecord field order (see _sql.py).
+-- A run is read by column name (_sql.py), so a statement that reads a run selects every RunRecord
+-- field under its own name (tests/test_record_shape.py checks).
 
 -- name: lock_key
 -- SQLite: the whole database is already write-locked by BEGIN IMMEDIATE; the store's clock is
