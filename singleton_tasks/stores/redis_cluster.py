@@ -240,7 +240,7 @@ class RedisClusterStore(RedisStore):
         script's keys share one slot); the cluster client's routed path where that primary
         answers that the cluster changed (``MOVED``, ``TRYAGAIN``, a lost connection, ...)."""
         cluster = cast("ClusterClient", self._client)
-        try:
+        with self._errors:
             if numkeys:
                 try:
                     client = cluster.node_client(cast(bytes, keys_and_args[0]))
@@ -248,8 +248,6 @@ class RedisClusterStore(RedisStore):
                 except cluster.reroute:
                     pass  # the routed path follows the cluster's new layout
             return self._call_on(self._client, name, numkeys, keys_and_args, wait)
-        except redis.exceptions.RedisError as error:
-            self._fail(error)
 
     def confirm_many(self, runs: Sequence[tuple[str, str, str]]) -> list[bool]:
         """One write per primary on this thread's connection to it: the confirms of the keys
@@ -266,12 +264,11 @@ class RedisClusterStore(RedisStore):
         confirmed: list[bool | None] = [None] * len(runs)
         for client, indexes in groups.values():
             batch = [runs[index] for index in indexes]
-            try:
-                replies = self._confirm_batch(client, batch) if len(batch) > 1 else None
-            except cluster.reroute:
-                replies = None
-            except redis.exceptions.RedisError as error:
-                self._fail(error)
+            with self._errors:
+                try:
+                    replies = self._confirm_batch(client, batch) if len(batch) > 1 else None
+                except cluster.reroute:
+                    replies = None
             if replies is None:
                 continue  # sent again one at a time below
             for index, reply in zip(indexes, replies, strict=True):
