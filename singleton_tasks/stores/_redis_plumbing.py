@@ -8,8 +8,8 @@ functions, loading the library or the script again where the server lost it. Wit
 overlapped a failover the Sentinel store heard of fails closed. Driver errors become the
 library's here (:meth:`RedisPlumbing._fail`, through ``with self._errors``).
 
-The methods marked *hook* are overridden by the Cluster and Sentinel stores; their contract is
-listed in :mod:`singleton_tasks.stores.redis`.
+The methods whose docstring starts with *Hook.* are overridden by the Cluster and Sentinel
+stores; their contract is :class:`~singleton_tasks.stores._redis_hooks.RedisStoreHooks`.
 """
 
 from __future__ import annotations

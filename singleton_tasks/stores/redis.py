@@ -115,7 +115,7 @@ class RedisStore(RedisPlumbing):
 
     @staticmethod
     def _node_url(url: str) -> str:
-        """The URL redis-py's parser reads (a store of several hosts names one of them)."""
+        """*Hook.* The URL redis-py's parser reads (a store of several hosts names one of them)."""
         return url
 
     clock_source = "server"
