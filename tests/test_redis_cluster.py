@@ -26,7 +26,7 @@ from singleton_tasks import SingletonConfigError, StoreUnavailableError, store_f
 from singleton_tasks.cli import cli
 from singleton_tasks.outcomes import Decision, HolderRef, RunSpec
 from singleton_tasks.stores import check_store_url
-from singleton_tasks.stores.redis import _hash_tag
+from singleton_tasks.stores._redis_scripts import hash_tag as _hash_tag
 from singleton_tasks.stores.redis_cluster import RedisClusterStore
 
 SCOPE = "cluster.task"

@@ -32,7 +32,10 @@ from singleton_tasks.stores.memory import MemoryStore
 from singleton_tasks.testing import ManualClock, at
 
 redis_mod = pytest.importorskip("redis")
-from singleton_tasks.stores.redis import RedisStore, _hash_tag, _run_record, _text  # noqa: E402
+from singleton_tasks.stores._redis_scripts import hash_tag as _hash_tag  # noqa: E402
+from singleton_tasks.stores._redis_scripts import run_record as _run_record  # noqa: E402
+from singleton_tasks.stores._redis_scripts import text as _text  # noqa: E402
+from singleton_tasks.stores.redis import RedisStore  # noqa: E402
 
 pytestmark = pytest.mark.redis
 
@@ -652,7 +655,7 @@ def test_inspect_and_operator_release_read_the_busy_keys_only(
 ) -> None:
     """`inspect`, `top` and `release RUN_ID` cost O(busy keys), however many idle keys the
     namespace keeps for `retention`: they read the busy-key index, never SCAN the database."""
-    from singleton_tasks.stores import redis as redis_store_module
+    from singleton_tasks.stores import _redis_plumbing as redis_store_module
 
     commands: list[str] = []
 

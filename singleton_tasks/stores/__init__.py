@@ -9,6 +9,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ..errors import SingletonConfigError
+from ._driver_errors import scrub_password
 from .base import SCHEMA_VERSION, RuleStore, Store, redact_url, url_retention
 
 # The store classes, in the order a scheme is looked for: each class declares its own schemes,
@@ -82,13 +83,7 @@ def check_store_url(url: str) -> str:
     except ValueError as error:  # SingletonConfigError is one: its own message is kept
         if isinstance(error, SingletonConfigError):
             raise
-        detail = str(error)
-        try:
-            password = urlsplit(url).password
-        except ValueError:
-            password = None
-        if password and password in detail:  # a driver's message may quote the URL
-            detail = detail.replace(password, "***")
+        detail = scrub_password(str(error), url)  # a driver's message may quote the URL
         raise SingletonConfigError(f"malformed store URL {redact_url(url)}: {detail}") from None
     return urlsplit(url).scheme.lower()
 

@@ -33,8 +33,9 @@ class ClusterClient(RedisCluster):
     :meth:`node_client` is the store's direct path: a client pinned to one connection (per
     calling thread) to the primary of a key's slot, on which the store makes its FCALL/EVALSHA
     as on a single server (RedisStore's single-connection call, a batch of confirms in one
-    write). redis-py's routed path costs about twice the client CPU per call, and a worker of
-    many threads is bound by that CPU. A reply or error in :attr:`reroute` sends the call down
+    write). redis-py's routed path costs more client CPU per call
+    (benchmarks/README.md#where-the-client-cpu-goes), and a worker of many threads is bound by
+    that CPU. A reply or error in :attr:`reroute` sends the call down
     the routed path (this client's own ``execute_command``), which follows ``MOVED``/``ASK``,
     retries ``TRYAGAIN``/cluster-down and refreshes the slot map the direct path reads.
 

@@ -16,11 +16,8 @@ things redis-py's path does not do, and a third it does more slowly:
    test (tests/workers/test_sentinel.py) fails.
 3. **Client CPU.** redis-py's general path (command parsing, observability hooks, a lock,
    per-argument packing) costs more CPU per call; a worker of many threads is bound by that CPU
-   under the GIL. Measured with benchmark case 1's subject (2,000 no-op runs, distinct keys,
-   RedisBroker, one worker of 8 threads), 6 alternating rounds on a 2-core host shared with
-   other test runs: worker CPU median 422 µs/run (301-549) on this path, 472 (344-611) on
-   redis-py's ``fcall``; 1,626 vs 1,462 runs/s. Inside that host's spread: on its own, no reason
-   to keep the path.
+   under the GIL. The difference measured is inside the host's spread
+   (benchmarks/README.md#where-the-client-cpu-goes): on its own, no reason to keep the path.
 
 redis-py internals used here, checked on redis-py 8.2.0 (``tests/test_framework_internals.py``
 fails when an upgrade changes one): ``Connection.send_packed_command(packed, check_health=)``,

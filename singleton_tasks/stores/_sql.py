@@ -18,12 +18,13 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from importlib import resources
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, NoReturn, Protocol
 
 from .. import gate
 from ..errors import SchemaVersionError, StoreUnavailableError
 from ..outcomes import HolderRef, KeySnapshot, RunState
 from ..records import KeyMeta, KeyTransaction, RunRecord, decode_run, encode_run
+from ._driver_errors import TranslatedErrors, sqlite_duplicate_column, sqlite_no_such_column, unavailable
 from .base import SCHEMA_VERSION, RuleStore, snapshot_of
 
 #: How many expired settled markers (or idle keys) one settlement (or one key going idle) sweeps:
@@ -86,8 +87,8 @@ def _sqlite_column_exists(statement: str, error: Exception) -> bool:
     """A re-applied ``ADD COLUMN`` or ``DROP COLUMN`` (SQLite has no ``IF [NOT] EXISTS`` for
     them): the column is there, or gone already."""
     statement = _strip_comments(statement)
-    return (bool(_ADD_COLUMN.match(statement)) and "duplicate column name" in str(error)) or (
-        bool(_DROP_COLUMN.match(statement)) and "no such column" in str(error)
+    return (bool(_ADD_COLUMN.match(statement)) and sqlite_duplicate_column(error)) or (
+        bool(_DROP_COLUMN.match(statement)) and sqlite_no_such_column(error)
     )
 
 
@@ -194,23 +195,23 @@ class SQLCursor:
         self._raw = raw
         self.dialect = dialect
         self.queries = queries(dialect)
-        self._errors = errors
         self._where = where
+        #: ``with self._errors:`` turns the driver's errors into StoreUnavailableError.
+        self._errors = TranslatedErrors(errors, self._fail)
+
+    def _fail(self, error: BaseException) -> NoReturn:
+        raise unavailable(self._where, error) from error
 
     def _execute(self, sql: str, params: Mapping[str, Any] | None) -> None:
-        try:
+        with self._errors:
             if params is None:
                 self._raw.execute(sql)
             else:
                 self._raw.execute(sql, params)
-        except self._errors as error:
-            raise StoreUnavailableError(f"{self._where}: {type(error).__name__}: {error}") from error
 
     def _fetchall(self) -> list[tuple[Any, ...]]:
-        try:
+        with self._errors:
             return [tuple(row) for row in self._raw.fetchall()]
-        except self._errors as error:
-            raise StoreUnavailableError(f"{self._where}: {type(error).__name__}: {error}") from error
 
     def all(self, name: str, params: Mapping[str, Any]) -> list[tuple[Any, ...]]:
         self._execute(self.queries[name], params)

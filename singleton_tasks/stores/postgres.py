@@ -21,8 +21,9 @@ try:  # the driver, when installed (Store.check_drivers names the extra otherwis
 except ImportError:  # pragma: no cover - the core-only install (tests/test_extras.py)
     pass
 
-from ..errors import SingletonConfigError, StoreUnavailableError
+from ..errors import SingletonConfigError
 from ..gate import Timings
+from ._driver_errors import unavailable
 from ._sql import POSTGRES, SQLCursor, SQLStore
 from .base import Clock, pop_query_option, redact_url
 
@@ -155,7 +156,7 @@ class PostgresStore(SQLStore):
             with self._get_pool().connection() as connection, connection.cursor() as raw:
                 yield SQLCursor(raw, self.dialect, (psycopg.Error,), self.url)
         except psycopg.Error as error:  # pool timeouts included (PoolTimeout is one)
-            raise StoreUnavailableError(f"{self.url}: {type(error).__name__}: {error}") from error
+            raise unavailable(self.url, error) from error
 
     def close(self) -> None:
         with self._lock:

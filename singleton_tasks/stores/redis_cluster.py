@@ -52,7 +52,14 @@ except ImportError:  # pragma: no cover - the core-only install (tests/test_extr
 
 from ..errors import SingletonConfigError, StoreUnavailableError
 from ..outcomes import HeartbeatOutcome, HolderRef
-from .redis import RedisStore, _function_library, _no_functions
+from ._driver_errors import (
+    redis_cluster_mode_disabled,
+    redis_cluster_unreachable,
+    redis_no_functions,
+    scrub_password,
+)
+from ._redis_scripts import function_library
+from .redis import RedisStore
 
 if TYPE_CHECKING:
     from ._cluster_client import ClusterClient
@@ -142,16 +149,13 @@ class RedisClusterStore(RedisStore):
                 **redis_options,
             )
         except (redis.exceptions.RedisClusterException, redis.exceptions.RedisError) as error:
-            detail = str(error)
-            password = urlsplit(url).password
-            if password:
-                detail = detail.replace(password, "***")
-            if "Cluster mode is not enabled" in detail:
+            detail = scrub_password(str(error), url)
+            if redis_cluster_mode_disabled(detail):
                 raise SingletonConfigError(
                     f"{self!r}: the seed node is not a Redis Cluster node (cluster mode is not enabled); "
                     "a single server takes redis:// or rediss://"
                 ) from None
-            if isinstance(error, redis.exceptions.RedisError) or "cannot be connected" in detail:
+            if isinstance(error, redis.exceptions.RedisError) or redis_cluster_unreachable(detail):
                 raise StoreUnavailableError(f"{self!r}: no seed node answered ({detail})") from None
             raise SingletonConfigError(f"invalid Redis Cluster store {self.url}: {detail}") from None
         # RedisCluster serves every command the store sends (the same command methods as Redis).
@@ -176,7 +180,7 @@ class RedisClusterStore(RedisStore):
     ) -> list[Any]:
         """``read(client, key)`` of the index ``key_of(slot)`` of every hash slot, one pipeline
         per primary; a read answered by a redirect (the slot moving) is made again routed."""
-        self._check_server_once()
+        self._server_checks.check_once()
         cluster = cast("ClusterClient", self._client)
         # A namespace holding a hash tag of its own puts all its keys (and indexes) in one slot.
         index_keys = sorted({key_of(slot) for slot in range(_SLOTS)})
@@ -236,7 +240,7 @@ class RedisClusterStore(RedisStore):
         script's keys share one slot); the cluster client's routed path where that primary
         answers that the cluster changed (``MOVED``, ``TRYAGAIN``, a lost connection, ...)."""
         cluster = cast("ClusterClient", self._client)
-        try:
+        with self._errors:
             if numkeys:
                 try:
                     client = cluster.node_client(cast(bytes, keys_and_args[0]))
@@ -244,8 +248,6 @@ class RedisClusterStore(RedisStore):
                 except cluster.reroute:
                     pass  # the routed path follows the cluster's new layout
             return self._call_on(self._client, name, numkeys, keys_and_args, wait)
-        except redis.exceptions.RedisError as error:
-            self._fail(error)
 
     def confirm_many(self, runs: Sequence[tuple[str, str, str]]) -> list[bool]:
         """One write per primary on this thread's connection to it: the confirms of the keys
@@ -262,12 +264,11 @@ class RedisClusterStore(RedisStore):
         confirmed: list[bool | None] = [None] * len(runs)
         for client, indexes in groups.values():
             batch = [runs[index] for index in indexes]
-            try:
-                replies = self._confirm_batch(client, batch) if len(batch) > 1 else None
-            except cluster.reroute:
-                replies = None
-            except redis.exceptions.RedisError as error:
-                self._fail(error)
+            with self._errors:
+                try:
+                    replies = self._confirm_batch(client, batch) if len(batch) > 1 else None
+                except cluster.reroute:
+                    replies = None
             if replies is None:
                 continue  # sent again one at a time below
             for index, reply in zip(indexes, replies, strict=True):
@@ -287,9 +288,9 @@ class RedisClusterStore(RedisStore):
         ``client`` may be one primary's (the direct path): the library goes to all of them.
         """
         try:
-            self._client.function_load(_function_library()[0], replace=True)
+            self._client.function_load(function_library()[0], replace=True)
         except redis.exceptions.ResponseError as error:
-            if _no_functions(error):
+            if redis_no_functions(error):
                 return False
             raise
         return True

@@ -28,8 +28,9 @@ except ImportError:  # pragma: no cover - the core-only install (tests/test_extr
     pass
 
 from ..errors import SingletonConfigError
+from ._redis_options import check_timeouts
 from .base import redact_url
-from .redis import RedisStore, check_timeouts
+from .redis import RedisStore
 
 DEFAULT_SENTINEL_PORT = 26379
 SWITCH_CHANNEL = "+switch-master"  # "<service> <old ip> <old port> <new ip> <new port>"

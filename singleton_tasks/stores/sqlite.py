@@ -20,6 +20,7 @@ from urllib.parse import unquote, urlsplit
 
 from ..errors import SingletonConfigError, StoreUnavailableError
 from ..gate import Timings
+from ._driver_errors import sqlite_locked
 from ._sql import SQLITE, SQLCursor, SQLStore
 from .base import Clock, pop_query_option
 
@@ -110,7 +111,7 @@ class SQLiteStore(SQLStore):
                 connection.execute("PRAGMA journal_mode=WAL")
                 return
             except sqlite3.OperationalError as error:
-                if "locked" not in str(error) or time.monotonic() >= deadline:
+                if not sqlite_locked(error) or time.monotonic() >= deadline:
                     raise
                 time.sleep(0.01)
 
