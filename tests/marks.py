@@ -1,8 +1,8 @@
 """What each test needs (a server, real workers, time) as marks: declared once, applied, checked.
 
 A selection by mark is only as good as the marks, and a missing mark is silent: a "no servers" run
-once took 77 s and started a 6-node Redis Cluster, because ``not redis`` does not exclude
-``redis_cluster``. So the marks are applied and checked here rather than remembered:
+once started a 6-node Redis Cluster, because ``not redis`` did not exclude ``redis_cluster``. So
+the marks are applied and checked here rather than remembered:
 
 - a fixture that needs a server says so with ``@needs("postgres")``; every test that uses it,
   directly or through other fixtures, gets the mark. A parametrized fixture marks its params
