@@ -10,6 +10,13 @@ from typing import Any
 
 import pytest
 from loopback_cluster import LoopbackCluster
+from marks import (  # noqa: F401  (hooks: pytest finds them in this module)
+    needs,
+    pytest_itemcollected,
+    pytest_runtest_protocol,
+    pytest_terminal_summary,
+    require_marked,
+)
 from services import require_server
 
 from singleton_tasks import Store, store_from_url
@@ -26,8 +33,10 @@ BACKENDS = ["memory", "sqlite", "redis", "postgres", "redis-cluster"]
 
 
 @pytest.fixture(scope="session")
+@needs("redis_cluster")
 def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoopbackCluster]:
     """A 3-primary + 3-replica cluster on 127.0.0.1:7101-7106, stopped by PID when the session ends."""
+    require_marked("redis_cluster", "the loopback Redis Cluster")  # also when reached by getfixturevalue
     cluster = LoopbackCluster(tmp_path_factory.mktemp("redis-cluster"))
     try:
         cluster.start()

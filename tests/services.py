@@ -8,6 +8,19 @@ import socket
 from urllib.parse import urlsplit
 
 import pytest
+from marks import require_marked
+
+#: The mark a test needs to reach a server, by URL scheme (see marks.py).
+MARK_OF_SCHEME = {
+    "redis": "redis",
+    "rediss": "redis",
+    "postgresql": "postgres",
+    "postgres": "postgres",
+    "amqp": "rabbitmq",
+    "amqps": "rabbitmq",
+}
+#: The mark a test needs to start a program of its own.
+MARK_OF_EXECUTABLE = {"redis-server": "redis", "redis-cli": "redis"}
 
 
 def unavailable(message: str) -> None:
@@ -28,13 +41,18 @@ def reachable(url: str) -> bool:
 
 
 def require_server(url: str, what: str) -> None:
-    """The server at ``url`` must be up: see :func:`unavailable`."""
+    """The server at ``url`` must be up: see :func:`unavailable`. The test must be marked for it."""
+    mark = MARK_OF_SCHEME.get(urlsplit(url).scheme)
+    if mark is not None:
+        require_marked(mark, what)
     if not reachable(url):
         unavailable(f"{what} at {urlsplit(url).hostname}:{urlsplit(url).port} is not reachable")
 
 
 def require_executable(name: str) -> str:
     """The path of a program the test starts (``redis-server``): see :func:`unavailable`."""
+    if name in MARK_OF_EXECUTABLE:
+        require_marked(MARK_OF_EXECUTABLE[name], name)
     path = shutil.which(name)
     if path is None:
         unavailable(f"{name} is not installed")

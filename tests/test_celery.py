@@ -28,6 +28,7 @@ from celery.exceptions import Ignore, MaxRetriesExceededError
 from celery.result import AsyncResult
 from celery.worker import state as worker_state
 from conftest import StoreFactory, backend_params
+from marks import needs
 from services import require_executable
 
 from singleton_tasks import (
@@ -216,6 +217,7 @@ def test_no_overlap_enqueue_order_and_increasing_tokens(store: Store, journal: J
     assert all(later.start >= earlier.end for earlier, later in itertools.pairwise(records))
 
 
+@pytest.mark.slow  # an in-process Celery worker takes about a second to stop
 def test_limit_is_respected_and_reached(store: Store, journal: Journal) -> None:
     app = make_app(store)
 
@@ -292,6 +294,7 @@ def test_max_queue_depth_rejects_the_fourth_and_accepts_after_a_slot_frees(
 
 
 # -- notify on release (docs/concepts.md#handoff) --------------------------------------------------
+@pytest.mark.slow  # an in-process Celery worker takes about a second to stop
 def test_release_wakes_the_next_waiter_long_before_the_retry_delay(store: Store, journal: Journal) -> None:
     app = make_app(store, retry_delay=30.0, max_retry_delay=30.0)
 
@@ -310,6 +313,7 @@ def test_release_wakes_the_next_waiter_long_before_the_retry_delay(store: Store,
     assert journal.overlaps == [] and journal.labels() == [f"r{i}" for i in range(10)]
 
 
+@pytest.mark.slow  # an in-process Celery worker takes about a second to stop
 def test_a_run_that_can_only_wait_is_published_held_back_and_woken_by_the_release(
     store: Store, journal: Journal, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -339,6 +343,7 @@ def test_a_run_that_can_only_wait_is_published_held_back_and_woken_by_the_releas
 
 
 # -- retries keep the slot (docs/concepts.md#the-life-of-a-run) ------------------------------------
+@pytest.mark.slow  # an in-process Celery worker takes about a second to stop
 def test_self_retry_keeps_the_slot_and_exhaustion_releases_it(store: Store, journal: Journal) -> None:
     app = make_app(store)
     attempts: dict[str, int] = {}
@@ -434,6 +439,7 @@ def test_chains_and_groups_complete(store: Store, journal: Journal) -> None:
 
 
 # -- revoke ------------------------------------------------------------------------------------
+@pytest.mark.slow  # an in-process Celery worker takes about a second to stop
 def test_revoke_of_a_waiter_and_of_a_retrying_holder(store: Store, journal: Journal) -> None:
     # Celery checks a revoke only before it hands a delivery to its pool. A re-check copy of the
     # waiter handed over just before the revoke landed is not stopped, and is admitted if the
@@ -540,6 +546,7 @@ def test_a_discarded_copy_of_a_running_holder_keeps_its_slot(
 
 
 # -- deterministic run ids (docs/concepts.md#keys-vs-run-ids) --------------------------------------
+@pytest.mark.slow  # an in-process Celery worker takes about a second to stop
 def test_deterministic_task_id_twice_publishes_once(store: Store, journal: Journal) -> None:
     app = make_app(store)
 
@@ -618,6 +625,7 @@ class RedisServer:
 
 
 @pytest.fixture
+@needs("redis")
 def outage_redis(tmp_path: Path) -> Iterator[RedisServer]:
     require_executable("redis-server")
     server = RedisServer(tmp_path)
@@ -767,6 +775,7 @@ def test_a_send_task_message_with_a_bad_key_fails_once(store: Store) -> None:
         signals.task_failure.disconnect(on_failure)
 
 
+@pytest.mark.slow  # an in-process Celery worker takes about a second to stop
 def test_send_task_messages_are_registered_at_first_sight(store: Store, journal: Journal) -> None:
     app = make_app(store)
     name = unique()
@@ -860,6 +869,7 @@ def test_singleton_on_a_finalized_task_keeps_an_explicit_acks_choice_with_the_wa
 
 
 # -- @singleton stacked on existing tasks ----------------------------------------------------------
+@pytest.mark.slow  # an in-process Celery worker takes about a second to stop
 def test_singleton_decorator_on_app_task(store: Store, journal: Journal) -> None:
     app = make_app(store)
 
@@ -914,6 +924,7 @@ def test_singleton_decorator_validates_at_declaration_even_on_a_promise() -> Non
         singleton(key="k")(already._get_current_object())
 
 
+@pytest.mark.slow  # an in-process Celery worker takes about a second to stop
 def test_singleton_decorator_on_shared_task(store_factory: StoreFactory, journal: Journal) -> None:
     name = unique("shared")
 
@@ -1112,6 +1123,7 @@ class _ParkFails(MemoryStore):
         raise StoreUnavailableError("store down at the park")
 
 
+@pytest.mark.slow  # an in-process Celery worker takes about a second to stop
 def test_a_run_whose_park_fails_is_published_and_runs_after_its_countdown(journal: Journal) -> None:
     store = _ParkFails(f"memory://{unique()}")
     app = make_app(store)
@@ -1156,6 +1168,7 @@ def test_an_argument_json_cannot_carry_fails_the_delay_and_leaves_no_trace(
         assert job.delay("next").get(interval=0.01, timeout=10) == "next"
 
 
+@pytest.mark.slow  # an in-process Celery worker takes about a second to stop
 def test_a_run_whose_every_copy_was_lost_is_issued_again_by_the_worker(
     store: Store, journal: Journal
 ) -> None:
@@ -1180,6 +1193,7 @@ def test_a_run_whose_every_copy_was_lost_is_issued_again_by_the_worker(
     assert journal.labels() == ["lost", "next"] and journal.overlaps == []
 
 
+@pytest.mark.slow  # an in-process Celery worker takes about a second to stop
 def test_options_only_the_producer_uses_never_fail_the_send(store: Store, journal: Journal) -> None:
     """A Queue object, an eta given as text: the message is fine; the send works as in Celery."""
     import datetime

@@ -532,6 +532,7 @@ def assert_no_password(results: list[Result], caplog: pytest.LogCaptureFixture) 
     assert PASSWORD not in caplog.text
 
 
+@pytest.mark.postgres
 def test_no_password_in_output_for_a_reachable_store(caplog: pytest.LogCaptureFixture) -> None:
     """memory:// and PostgreSQL under trust auth accept the password, so every command succeeds."""
     urls = [f"memory://user:{PASSWORD}@pw-{uuid.uuid4().hex}"]
@@ -555,6 +556,7 @@ def test_no_password_in_output_for_a_reachable_store(caplog: pytest.LogCaptureFi
             store.close()
 
 
+@pytest.mark.redis
 def test_no_password_in_errors(caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
     """A refused login, an unknown scheme, a closed port: the error names the redacted URL."""
     urls = [
@@ -576,6 +578,7 @@ def test_no_password_in_errors(caplog: pytest.LogCaptureFixture, tmp_path: Path)
         assert_no_password(results, caplog)
 
 
+@pytest.mark.redis
 def test_release_with_a_dramatiq_broker_publishes_the_wake() -> None:
     from conftest import BROKER_REDIS_URL
     from dramatiq.brokers.redis import RedisBroker

@@ -97,6 +97,7 @@ def test_a_send_after_the_exit_hook_confirms_inline(store_factory: StoreFactory,
     assert confirmed(store) == all_confirmed("early-", "child-")
 
 
+@pytest.mark.slow  # a prefork pool process
 @pytest.mark.parametrize("backend", backend_params(["sqlite", "redis"]))
 def test_a_celery_pool_process_confirms_when_it_shuts_down(
     store_factory: StoreFactory, store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -90,6 +90,7 @@ def test_the_custom_store_gates_a_dramatiq_burst() -> None:
     assert [kind for kind, _n, _token in events] == ["start", "end"] * 5
 
 
+@pytest.mark.slow  # runs pytest in a child interpreter
 def test_the_test_kits_own_example_runs_as_written(tmp_path: Path) -> None:
     """``singleton_tasks.testing``'s docstring example, copied verbatim into a test module, passes.
 

@@ -6,7 +6,10 @@ import re
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow  # the demo's workers run on real time
 def test_demo_tells_the_story_on_the_embedded_default() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "singleton_tasks.cli", "demo"],

@@ -97,6 +97,7 @@ def snippets(page: Path) -> dict[str, str]:
     return found
 
 
+@pytest.mark.slow  # runs each quickstart in a child interpreter
 @pytest.mark.parametrize("page", QUICKSTART_PAGES, ids=lambda page: page.name)
 @pytest.mark.parametrize("framework", ["dramatiq", "celery"])
 def test_quickstart_runs_as_written(page: Path, framework: str, tmp_path: Path) -> None:

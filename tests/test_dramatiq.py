@@ -22,6 +22,7 @@ from dramatiq.common import dq_name, xq_name
 from dramatiq.middleware import AgeLimit, MiddlewareError
 from dramatiq.results import ResultMissing, Results
 from dramatiq.results.backends import StubBackend
+from marks import needs
 from services import reachable, require_executable, require_server, unavailable
 
 from singleton_tasks import (
@@ -556,6 +557,7 @@ def test_gated_waiters_do_not_occupy_worker_threads(make_env: Callable[..., Env]
     assert env.keys() == []
 
 
+@pytest.mark.slow  # waits out leases and heartbeats on real time
 def test_heartbeats_keep_a_long_run_holding(make_env: Callable[..., Env]) -> None:
     env = make_env(lease=3.0)  # the shortest lease: heartbeats every second
     job = env.job()
@@ -570,6 +572,7 @@ def test_heartbeats_keep_a_long_run_holding(make_env: Callable[..., Env]) -> Non
     assert env.keys() == []
 
 
+@pytest.mark.slow  # waits out leases and heartbeats on real time
 def test_a_task_lease_shorter_than_the_workers_is_heartbeated_by_its_own(
     make_env: Callable[..., Env],
 ) -> None:
@@ -797,6 +800,7 @@ def test_duplicate_start_of_a_registered_run_id_runs_once(make_env: Callable[...
     assert env.keys() == []
 
 
+@pytest.mark.rabbitmq
 def test_worker_threads_connect_to_rabbitmq_before_their_first_publish() -> None:
     # The wake of a release is often a thread's first publish: it must not wait for a connect.
     require_server(RABBITMQ_URL, "RabbitMQ")
@@ -824,6 +828,7 @@ def test_worker_threads_connect_to_rabbitmq_before_their_first_publish() -> None
     assert connected == [True] * threads
 
 
+@pytest.mark.rabbitmq
 def test_a_wake_goes_ahead_of_a_queued_backlog_on_rabbitmq_priority_queues() -> None:
     # The woken run's turn has come: it must not wait behind plain messages queued before its wake.
     require_server(RABBITMQ_URL, "RabbitMQ")
@@ -940,6 +945,7 @@ class RedisServer:
 
 
 @pytest.fixture
+@needs("redis")
 def outage_redis() -> Iterator[RedisServer]:
     require_executable("redis-server")
     if reachable(f"redis://127.0.0.1:{OUTAGE_PORT}"):
@@ -1019,6 +1025,7 @@ def test_an_argument_json_cannot_carry_fails_the_send_and_leaves_no_trace(
     assert env.journal.started() == ["next"]
 
 
+@pytest.mark.slow  # waits out leases and heartbeats on real time
 def test_a_run_whose_every_copy_was_lost_is_issued_again_by_the_heartbeat_thread(
     make_env: Callable[..., Env],
 ) -> None:

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
@@ -25,6 +27,7 @@ def run_example(name: str, tmp_path: Path, **env: str) -> str:
     return result.stdout
 
 
+@pytest.mark.slow  # runs the example in a child interpreter
 def test_dramatiq_example_on_the_embedded_store(tmp_path: Path) -> None:
     out = run_example("dramatiq_sync_inventory.py", tmp_path, SINGLETON_RETRY_DELAY="0.2")
     assert "refused: sync_inventory: the queue of key 'store:A'" in out
@@ -64,6 +67,7 @@ def test_django_settings_snippet_builds_a_broker_the_way_django_dramatiq_does() 
     assert isinstance(load_middleware("singleton_tasks.dramatiq.SingletonMiddleware"), SingletonMiddleware)
 
 
+@pytest.mark.slow  # runs the example in a child interpreter
 def test_celery_example_on_the_embedded_store(tmp_path: Path) -> None:
     out = run_example("celery_sync_inventory.py", tmp_path, SINGLETON_RETRY_DELAY="0.2")
     assert "refused: shop.sync_inventory: the queue of key 'store:A'" in out

@@ -20,7 +20,7 @@ from singleton_tasks.stores import SCHEMA_VERSION
 
 ROOT = Path(__file__).resolve().parent.parent
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]  # fresh virtual environments, pip
 
 
 def _pip(*args: str) -> None:

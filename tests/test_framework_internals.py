@@ -454,6 +454,7 @@ def test_stdlib_a_childs_exit_runs_the_finalizers_it_registered_before_os_exit(
     assert child.exitcode == 0 and path.read_text() == str(child.pid)
 
 
+@pytest.mark.slow  # a prefork pool process
 def test_billiard_a_prefork_pool_process_sends_worker_process_shutdown_before_it_exits(
     tmp_path: Path,
 ) -> None:

@@ -138,6 +138,7 @@ def run_processes(
     return reports
 
 
+@pytest.mark.slow  # child processes and threads
 @real_backends
 @pytest.mark.timeout(180)
 def test_limit_holds_across_processes_and_threads(

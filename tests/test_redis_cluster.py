@@ -387,6 +387,7 @@ def test_a_cluster_url_without_a_reachable_seed_is_unavailable_and_redacted() ->
     assert "127.0.0.1:1,127.0.0.1:2" in message and "s3cret" not in message
 
 
+@pytest.mark.redis
 def test_a_cluster_url_naming_a_standalone_server_is_a_config_error() -> None:
     require_server(REDIS_URL, "Redis")
     host = REDIS_URL.split("://", 1)[1].split("/", 1)[0]

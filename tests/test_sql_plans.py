@@ -14,6 +14,7 @@ from urllib.parse import quote
 
 import pytest
 from conftest import POSTGRES_URL, require_server
+from marks import needs
 
 from singleton_tasks.stores._sql import POSTGRES, queries, schema_script
 
@@ -22,6 +23,7 @@ NOW = 1_000_000.0
 
 
 @pytest.fixture(scope="module")
+@needs("postgres")
 def filled() -> Iterator[Any]:
     """A schema of our own with ROWS markers and idle keys expiring one a second after NOW, analyzed."""
     require_server(POSTGRES_URL, "PostgreSQL")

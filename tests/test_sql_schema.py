@@ -16,7 +16,8 @@ from typing import Any
 from urllib.parse import quote
 
 import pytest
-from conftest import POSTGRES_URL, require_server
+from conftest import POSTGRES_URL, backend_params, require_server
+from marks import needs
 
 from singleton_tasks import store_from_url
 from singleton_tasks.errors import SchemaVersionError
@@ -88,6 +89,7 @@ def test_sqlite_migrations_give_the_schema(tmp_path: Path) -> None:
 
 
 @pytest.fixture
+@needs("postgres")
 def pg_schemas() -> Iterator[list[str]]:
     require_server(POSTGRES_URL, "PostgreSQL")
     import psycopg
@@ -188,7 +190,7 @@ def test_queries_parse_per_dialect() -> None:
 # -- migrate, schema_version and check_schema on real databases -------------------------------------------
 
 
-@pytest.fixture(params=list(DIALECTS))
+@pytest.fixture(params=backend_params(list(DIALECTS)))
 def empty_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path / 'empty.db'}"

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import POSTGRES_URL, require_server
+from conftest import POSTGRES_URL, backend_params, require_server
 
 from singleton_tasks import Store, store_from_url
 from singleton_tasks.errors import SingletonConfigError, StoreUnavailableError
@@ -22,7 +22,7 @@ from singleton_tasks.testing import ManualClock, at
 SQL_BACKENDS = ["sqlite", "postgres"]
 
 
-@pytest.fixture(params=SQL_BACKENDS)
+@pytest.fixture(params=backend_params(SQL_BACKENDS))
 def sql_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'sql.db'}"
@@ -195,6 +195,7 @@ def _rows(store: Store, sql_url: str) -> tuple[int, int]:
 # -- concurrency: many threads and stores, one holder at a time ---------------------------------------
 
 
+@pytest.mark.slow  # a stress run of threads
 def test_threads_never_overlap(make_store: Callable[..., Store]) -> None:
     stores = [make_store(), make_store()]
     inside: list[str] = []
@@ -327,6 +328,7 @@ def test_postgres_bad_options() -> None:
 # -- PostgreSQL: one row lock per key ----------------------------------------------------------------
 
 
+@pytest.mark.postgres
 def test_postgres_keys_do_not_wait_on_each_other() -> None:
     require_server(POSTGRES_URL, "PostgreSQL")
     import psycopg

@@ -11,6 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from marks import (  # noqa: F401  (hooks: pytest finds them in this module)
+    needs,
+    pytest_itemcollected,
+    pytest_runtest_protocol,
+    pytest_terminal_summary,
+)
 from rich.console import Console
 from services import require_server, unavailable
 
@@ -89,6 +95,7 @@ class Harness:
 
 
 @pytest.fixture(scope="session")
+@needs("postgres")
 def runlog() -> Iterator[RunLog]:
     require(LOG_URL, "PostgreSQL (the scenario log)")
     log = RunLog(LOG_URL)
@@ -115,6 +122,7 @@ def report(pytestconfig: pytest.Config) -> Callable[[CheckResult], None]:
 
 
 @pytest.fixture(scope="session")
+@needs("postgres")
 def postgres_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PostgresServer]:
     """A PostgreSQL of the runner's own (initdb once per session), so a restart touches nothing shared."""
     if postgres_bin() is None:
@@ -134,6 +142,7 @@ def postgres_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Postgr
 
 
 @pytest.fixture
+@needs("redis")
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     server = RedisServer(tmp_path / "redis-store")
     server.start()
@@ -142,6 +151,7 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
 
 
 @pytest.fixture
+@needs("workers")
 def harness(
     runlog: RunLog, tmp_path: Path, report: Callable[[CheckResult], None]
 ) -> Iterator[Callable[..., Harness]]:

@@ -159,7 +159,8 @@ def schema_script(dialect: Dialect) -> str:
 
 def migration_scripts(dialect: Dialect) -> list[tuple[int, str]]:
     """``(version, script)`` of every numbered migration of the dialect, in order."""
-    folder = resources.files("singleton_tasks.stores").joinpath("sql", dialect.name)
+    # One name a call: Traversable.joinpath takes a single child before Python 3.11.
+    folder = resources.files("singleton_tasks.stores").joinpath("sql").joinpath(dialect.name)
     found = []
     for entry in folder.iterdir():
         match = _MIGRATION.match(entry.name)
