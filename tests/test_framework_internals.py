@@ -282,7 +282,6 @@ def _backed_off_redis_worker(
         broker.close()
 
 
-@pytest.mark.redis
 def test_dramatiq_8_pipeline_steps_and_group_callbacks_are_named_by_the_delivered_message() -> None:
     broker = StubBroker()
     broker.add_middleware(GroupCallbacks(RateLimitStubBackend()))
@@ -309,6 +308,7 @@ def test_dramatiq_8_pipeline_steps_and_group_callbacks_are_named_by_the_delivere
     assert not dramatiq_internals.names_as_continuation(member.options, first.message_id)
 
 
+@pytest.mark.redis
 def test_dramatiq_7_a_worker_thread_fetches_past_a_backed_off_redis_consumer() -> None:
     ran = threading.Event()
     assert dramatiq_internals.fetch_for_this_worker("any") == 0, "not a worker thread: nothing fetched"
