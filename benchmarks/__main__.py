@@ -13,8 +13,19 @@ import click
 from .common import SIZES, THREADS, Report, Size, quiet_framework_logs, render
 
 CASES = (
-    "noop", "burst", "handoff", "roundtrips", "admission", "postgres", "backline", "celery",
-    "growth", "cluster", "replicas", "idle", "send",
+    "noop",
+    "burst",
+    "handoff",
+    "roundtrips",
+    "admission",
+    "postgres",
+    "backline",
+    "celery",
+    "growth",
+    "cluster",
+    "replicas",
+    "idle",
+    "send",
 )
 
 
@@ -185,6 +196,8 @@ def _growth(report: Report, spec: object, stores: list[str]) -> None:
     from . import growth_cases
 
     growth_cases.case_growth(report, spec, stores)  # type: ignore[arg-type]
+
+
 def _cluster(report: Report, spec: Size, runs: int, url: str | None, worker_timeout: int) -> None:
     from . import cluster_cases
 

@@ -55,8 +55,7 @@ class Line:
     def handoff(self) -> tuple[float, float, float]:
         """Release the holder, admit the head (its wake), register a new waiter at the back."""
         t0 = time.perf_counter()
-        released = self.store.release(
-            "bench", self.key, self.holder.run_id, token=self.token)
+        released = self.store.release("bench", self.key, self.holder.run_id, token=self.token)
         t1 = time.perf_counter()
         (wake,) = released.wakes
         spec, _ = self.back.pop(0)

@@ -53,7 +53,14 @@ def _in_threads(body: Callable[[int], Any], barrier: Any) -> tuple[list[Any], li
 
 
 def mutex_process(
-    url: str, namespace: str, key: str, limit: int, process: int, barrier: Any, counter: Any, peak: Any,
+    url: str,
+    namespace: str,
+    key: str,
+    limit: int,
+    process: int,
+    barrier: Any,
+    counter: Any,
+    peak: Any,
     out: Any,
 ) -> None:
     store = store_from_url(url, namespace=namespace)
@@ -98,9 +105,7 @@ def mutex_process(
     out.put(([a for admissions in results for a in admissions], errors))
 
 
-def cap_process(
-    url: str, namespace: str, key: str, depth: int, process: int, barrier: Any, out: Any
-) -> None:
+def cap_process(url: str, namespace: str, key: str, depth: int, process: int, barrier: Any, out: Any) -> None:
     store = store_from_url(url, namespace=namespace)
     store.snapshot(scope=SCOPE, key=key)
 
@@ -165,9 +170,7 @@ def test_limit_holds_across_processes_and_threads(
 
 @real_backends
 @pytest.mark.timeout(180)
-def test_cap_holds_across_processes_and_threads(
-    store_factory: Callable[..., Store], store_url: str
-) -> None:
+def test_cap_holds_across_processes_and_threads(store_factory: Callable[..., Store], store_url: str) -> None:
     namespace = f"cap{uuid.uuid4().hex[:10]}"
     parent = store_factory(namespace=namespace)
     key, depth = "capped key", 5
