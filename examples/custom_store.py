@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from urllib.parse import urlsplit
 
 from singleton_tasks import gate
-from singleton_tasks.gate import Timings
+from singleton_tasks.config import Timings
 from singleton_tasks.outcomes import HolderRef, KeySnapshot, RunState
 from singleton_tasks.records import KeyMeta, KeyTransaction, RunRecord
 from singleton_tasks.stores.base import SCHEMA_VERSION, Clock, RuleStore, snapshot_of

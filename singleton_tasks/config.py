@@ -1,4 +1,4 @@
-"""Declaring a singleton: the configuration, its validation and key derivation.
+"""Configuration: the defaults, the store-wide Timings, a singleton's declaration, its validation and key derivation.
 
 See docs/concepts.md#declaring-a-singleton.
 """
@@ -15,6 +15,26 @@ from .errors import SingletonConfigError, SingletonError, SingletonKeyError
 
 #: The longest key a task may derive (characters).
 MAX_KEY_LENGTH = 512
+
+# Store-wide defaults (seconds), the rules' Timings.
+#: An unconfirmed registration is dropped after this many seconds: its producer never published
+#: its message (it died between registering and publishing, or the publish failed unreported).
+DEFAULT_REGISTRATION_GRACE = 10.0
+#: How long a store remembers a settled run and an idle key (seconds): one day. A waiter due for
+#: a re-issue that no copy reached for this long is abandoned.
+DEFAULT_RETENTION = 86_400.0
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Store-wide durations of the rules, in seconds."""
+
+    #: An unconfirmed registration is dropped after this.
+    registration_grace: float = DEFAULT_REGISTRATION_GRACE
+    #: Settled markers and idle keys are forgotten after this; a waiter due for a re-issue that
+    #: no copy reached for this long is abandoned.
+    retention: float = DEFAULT_RETENTION
+
 
 # Worker-side defaults (seconds), read by both adapters and the shared runtime.
 #: How long a holder's slot is safe without a heartbeat; heartbeats go at least 3 times per lease.

@@ -24,6 +24,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .config import Timings
 from .generations import issued_before, issued_in_a_lost_write, next_counter
 from .outcomes import (
     ClaimOutcome,
@@ -37,25 +38,6 @@ from .outcomes import (
     Wake,
 )
 from .records import KeyMeta, KeyTransaction, RunRecord
-
-#: An unconfirmed registration is dropped after this many seconds: its producer never published
-#: its message (it died between registering and publishing, or the publish failed unreported).
-DEFAULT_REGISTRATION_GRACE = 10.0
-#: How long a store remembers a settled run and an idle key (seconds): one day. A waiter due for
-#: a re-issue that no copy reached for this long is abandoned.
-DEFAULT_RETENTION = 86_400.0
-
-
-@dataclass(frozen=True)
-class Timings:
-    """Store-wide durations of the rules, in seconds."""
-
-    #: An unconfirmed registration is dropped after this.
-    registration_grace: float = DEFAULT_REGISTRATION_GRACE
-    #: Settled markers and idle keys are forgotten after this; a waiter due for a re-issue that
-    #: no copy reached for this long is abandoned.
-    retention: float = DEFAULT_RETENTION
-
 
 _PAGE = 64
 

@@ -25,6 +25,7 @@ from .config import (
     DEFAULT_LEASE,
     DEFAULT_MAX_RETRY_DELAY,
     DEFAULT_ORPHAN_TIMEOUT,
+    DEFAULT_REGISTRATION_GRACE,
     DEFAULT_RETRY_DELAY,
     DEFAULT_RETRY_JITTER,
     DISABLED,
@@ -33,7 +34,6 @@ from .config import (
 )
 from .confirms import CONFIRM_FLUSH_TIMEOUT, Confirmer, Run
 from .errors import SingletonConfigError, SingletonQueueFullError, StoreUnavailableError
-from .gate import DEFAULT_REGISTRATION_GRACE
 from .generations import issued_before
 from .heartbeat import Heartbeater, compare_clocks
 from .outcomes import (

@@ -52,8 +52,8 @@ from collections.abc import Callable, Sequence
 import pytest
 
 from . import clock
+from .config import Timings
 from .errors import SchemaVersionError
-from .gate import Timings
 from .generations import micros
 from .outcomes import (
     ClaimOutcome,

@@ -37,8 +37,8 @@ from singleton_tasks import (
     singleton,
     store_from_url,
 )
+from singleton_tasks.config import Timings
 from singleton_tasks.dramatiq import GENERATION, InvalidKey, PayloadError, QueueFull, SingletonMiddleware
-from singleton_tasks.gate import Timings
 from singleton_tasks.outcomes import RegisterOutcome, RunSpec, RunState
 from singleton_tasks.stores import SCHEMA_VERSION
 from singleton_tasks.stores.memory import MemoryStore

@@ -34,7 +34,7 @@ from hypothesis.stateful import (
 )
 
 from singleton_tasks import Store
-from singleton_tasks.gate import Timings
+from singleton_tasks.config import Timings
 from singleton_tasks.outcomes import (
     ClaimOutcome,
     Decision,

@@ -15,8 +15,8 @@ import pytest
 from conftest import REDIS_URL, require_server
 from redis_servers import as_written_by_version_3
 
+from singleton_tasks.config import Timings
 from singleton_tasks.errors import SingletonConfigError, StoreUnavailableError
-from singleton_tasks.gate import Timings
 from singleton_tasks.outcomes import (
     ClaimOutcome,
     Decision,

@@ -238,7 +238,7 @@ def test_the_heartbeat_threads_due_work_publishes_reissues_and_reports_abandoned
 ) -> None:
     """Heartbeater.tick_due (the heartbeat thread's step): the wakes of keys nobody calls go to the
     adapter's publisher; an abandoned waiter is logged at error with its task, key and run id."""
-    from singleton_tasks.gate import Timings
+    from singleton_tasks.config import Timings
     from singleton_tasks.outcomes import Wake
 
     clock = ManualClock()

@@ -40,10 +40,10 @@ from singleton_tasks.config import (
     DEFAULT_LEASE,
     DEFAULT_MAX_RETRY_DELAY,
     DEFAULT_ORPHAN_TIMEOUT,
+    DEFAULT_REGISTRATION_GRACE,
     DEFAULT_RETRY_DELAY,
     DEFAULT_RETRY_JITTER,
 )
-from singleton_tasks.gate import DEFAULT_REGISTRATION_GRACE
 from singleton_tasks.outcomes import KeySnapshot
 
 from .conftest import Harness

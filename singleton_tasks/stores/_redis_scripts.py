@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from importlib import resources
 from typing import Any
 
-from ..gate import Timings
+from ..config import Timings
 from ..outcomes import (
     ClaimOutcome,
     Decision,

@@ -13,9 +13,8 @@ from typing import ClassVar
 from urllib.parse import unquote_plus, urlsplit, urlunsplit
 
 from .. import gate
-from ..config import check_storable
+from ..config import Timings, check_storable
 from ..errors import SingletonConfigError
-from ..gate import Timings
 from ..outcomes import (
     ClaimOutcome,
     DueOutcome,
@@ -121,7 +120,7 @@ class Store(abc.ABC):
     - ``namespace``: isolates applications sharing one server.
     - ``retention``: seconds after which an idle key and a settled run's marker are forgotten,
       and a waiter due for a re-issue that nothing reached for that long is abandoned (default
-      :data:`~singleton_tasks.gate.DEFAULT_RETENTION`); also ``?retention=`` in the URL of every
+      :data:`~singleton_tasks.config.DEFAULT_RETENTION`); also ``?retention=`` in the URL of every
       scheme (given both ways, the two must agree).
     - ``clock`` (tests only): a zero-argument callable; when given the store decides at the time
       it returns instead of reading its own clock (:class:`singleton_tasks.testing.ManualClock`).

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from urllib.parse import urlsplit
 
 from .. import gate
-from ..gate import Timings
+from ..config import Timings
 from ..outcomes import HolderRef, KeySnapshot, RunState
 from ..records import KeyMeta, KeyTransaction, RunRecord
 from .base import SCHEMA_VERSION, Clock, RuleStore, snapshot_of

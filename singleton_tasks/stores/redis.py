@@ -55,8 +55,8 @@ try:  # the driver, when installed (Store.check_drivers names the extra otherwis
 except ImportError:  # pragma: no cover - the core-only install (tests/test_extras.py)
     pass
 
+from ..config import Timings
 from ..errors import SingletonConfigError
-from ..gate import Timings
 from ..outcomes import (
     ClaimOutcome,
     DueOutcome,

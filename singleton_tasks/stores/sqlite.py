@@ -18,8 +18,8 @@ import weakref
 from collections.abc import Iterator
 from urllib.parse import unquote, urlsplit
 
+from ..config import Timings
 from ..errors import SingletonConfigError, StoreUnavailableError
-from ..gate import Timings
 from ._driver_errors import sqlite_locked
 from ._sql import SQLITE, SQLCursor, SQLStore
 from .base import Clock, pop_query_option
