@@ -1,4 +1,4 @@
-"""Configuration: the defaults, the store-wide Timings, a singleton's declaration, its validation and key derivation.
+"""Configuration: defaults, store Timings, a singleton's declaration, its validation and key derivation.
 
 See docs/concepts.md#declaring-a-singleton.
 """
