@@ -11,13 +11,13 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar, cast
-from urllib.parse import urlsplit
 
 import click
 
 from ..errors import SingletonError
 from ..outcomes import KeySnapshot
 from ..stores import Store, check_store_url, redact_url, store_from_url
+from ..stores._driver_errors import scrub_password
 from ..stores.base import check_namespace
 from ..stores.choice import STORE_ENV
 
@@ -40,13 +40,7 @@ def _default_store_url() -> str:
 
 def scrub(text: str, url: str) -> str:
     """Belt and braces: no message we print may carry the URL's password, whoever wrote it."""
-    try:
-        password = urlsplit(url).password
-    except ValueError:
-        password = None
-    if password:
-        text = text.replace(url, redact_url(url)).replace(password, "***")
-    return text
+    return scrub_password(text.replace(url, redact_url(url)), url)
 
 
 def store_options(func: F) -> F:
