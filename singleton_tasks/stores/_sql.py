@@ -1,5 +1,7 @@
-"""What the SQL stores share: their SQL files, a tiny DB-API cursor wrapper, and the one
-:class:`~singleton_tasks.records.KeyTransaction` over it (SQLite and PostgreSQL alike).
+"""What the SQL stores share: their SQL files, a DB-API cursor wrapper, the KeyTransaction over it.
+
+SQLite and PostgreSQL alike run the gate's rules through one
+:class:`~singleton_tasks.records.KeyTransaction` over that wrapper.
 
 The SQL lives in ``stores/sql/``: a schema file per dialect (a fresh install), numbered
 migrations per dialect (upgrades), and ``queries.sql`` with the runtime statements written
