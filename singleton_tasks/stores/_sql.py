@@ -124,7 +124,10 @@ POSTGRES = Dialect(
 
 
 def _sql_file(*parts: str) -> str:
-    return resources.files("singleton_tasks.stores").joinpath("sql", *parts).read_text(encoding="utf-8")
+    path = resources.files("singleton_tasks.stores").joinpath("sql")
+    for part in parts:  # one name a call: Traversable.joinpath takes a single child before 3.11
+        path = path.joinpath(part)
+    return path.read_text(encoding="utf-8")
 
 
 def parse_queries(text: str, dialect: str) -> dict[str, str]:
@@ -161,7 +164,6 @@ def schema_script(dialect: Dialect) -> str:
 
 def migration_scripts(dialect: Dialect) -> list[tuple[int, str]]:
     """``(version, script)`` of every numbered migration of the dialect, in order."""
-    # One name a call: Traversable.joinpath takes a single child before Python 3.11.
     folder = resources.files("singleton_tasks.stores").joinpath("sql").joinpath(dialect.name)
     found = []
     for entry in folder.iterdir():
@@ -185,6 +187,10 @@ class DBCursor(Protocol):
     def fetchall(self) -> list[Any]: ...
 
 
+def _raise_unavailable(where: str, error: BaseException) -> NoReturn:
+    raise unavailable(where, error) from error
+
+
 class SQLCursor:
     """Runs named statements on a driver cursor; driver errors become StoreUnavailableError."""
 
@@ -198,12 +204,9 @@ class SQLCursor:
         self._raw = raw
         self.dialect = dialect
         self.queries = queries(dialect)
-        self._where = where
-        #: ``with self._errors:`` turns the driver's errors into StoreUnavailableError.
-        self._errors = TranslatedErrors(errors, self._fail)
-
-    def _fail(self, error: BaseException) -> NoReturn:
-        raise unavailable(self._where, error) from error
+        #: ``with self._errors:`` turns the driver's errors into StoreUnavailableError. Its
+        #: handler holds ``where``, not the cursor: a cursor per operation, freed without a cycle.
+        self._errors = TranslatedErrors(errors, functools.partial(_raise_unavailable, where))
 
     def _execute(self, sql: str, params: Mapping[str, Any] | None) -> None:
         with self._errors:
