@@ -97,7 +97,7 @@ class Confirmer:
 
     A producer's ``.send()`` registers, publishes and returns; the confirm follows within
     :data:`CONFIRM_LINGER` in a batch (:meth:`Store.confirm_many`). It never precedes the
-    publish, so a failed publish still leaves only an unconfirmed registration, passed over after
+    publish, so a failed publish still leaves only an unconfirmed registration, dropped after
     the registration grace. A batch that fails on a store outage is tried again until the
     registration grace has passed (the delivery confirms the run then, as it does any
     unconfirmed one); pending confirms are sent at close, before a fork and at process exit

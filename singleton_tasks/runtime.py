@@ -262,7 +262,7 @@ class Gatekeeper:
         """Confirm a published registration from this process's confirm thread, batched.
 
         The caller's publish is done: its ``.send()`` does not wait for the confirm. Until the
-        confirm lands the registration is an unconfirmed one (passed over after the registration
+        confirm lands the registration is an unconfirmed one (dropped after the registration
         grace if nothing confirms it), and a delivery that comes first confirms it itself
         (docs/concepts.md#the-life-of-a-run).
         """
