@@ -14,6 +14,11 @@ from marks import require_marked
 MARK_OF_SCHEME = {
     "redis": "redis",
     "rediss": "redis",
+    "unix": "redis",
+    "redis+cluster": "redis_cluster",
+    "rediss+cluster": "redis_cluster",
+    "redis+sentinel": "sentinel",
+    "rediss+sentinel": "sentinel",
     "postgresql": "postgres",
     "postgres": "postgres",
     "amqp": "rabbitmq",
