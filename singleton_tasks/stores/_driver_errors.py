@@ -11,6 +11,8 @@ upgrade that rewords one fails that test, not a store in production.
 
 from __future__ import annotations
 
+import inspect
+import weakref
 from collections.abc import Callable
 from types import TracebackType
 from typing import NoReturn
@@ -99,7 +101,13 @@ class TranslatedErrors:
         self, errors: tuple[type[BaseException], ...], fail: Callable[[BaseException], NoReturn]
     ) -> None:
         self._errors = errors
-        self._fail = fail
+        #: ``fail``, held weakly when it is a method of the object that keeps this one: that
+        #: object (a store) stays out of a reference cycle, so it is freed when its last
+        #: reference goes, never by the garbage collector at an arbitrary point (a Redis client
+        #: closed from there, or at interpreter exit, can block forever on its pool's lock).
+        self._fail: Callable[[], Callable[[BaseException], NoReturn] | None] = (
+            weakref.WeakMethod(fail) if inspect.ismethod(fail) else lambda: fail
+        )
 
     def __enter__(self) -> None:
         return None
@@ -111,7 +119,9 @@ class TranslatedErrors:
         traceback: TracebackType | None,
     ) -> None:
         if error is not None and isinstance(error, self._errors):
-            self._fail(error)
+            fail = self._fail()
+            if fail is not None:  # None: its store is gone, the error goes up untranslated
+                fail(error)
 
 
 def scrub_password(detail: str, url: str) -> str:

@@ -8,8 +8,10 @@ command the ACL refused a script.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -49,6 +51,31 @@ def eviction_policy(client: redis.Redis) -> str | None:
     return None if policy is None else _as_str(policy)
 
 
+class _Named:
+    """Shows as the text it was given (``%r`` and ``!r`` of a store in messages)."""
+
+    __slots__ = ("_text",)
+
+    def __init__(self, text: str) -> None:
+        self._text = text
+
+    def __repr__(self) -> str:
+        return self._text
+
+
+def _weak_callable(function: Callable[[], list[redis.Redis]]) -> Callable[[], list[redis.Redis]]:
+    """``function``, holding its object weakly when it is a bound method (no servers once gone)."""
+    if not inspect.ismethod(function):
+        return function
+    method = weakref.WeakMethod(function)
+
+    def call() -> list[redis.Redis]:
+        bound = method()
+        return [] if bound is None else bound()
+
+    return call
+
+
 class ServerChecks:
     """A store's checks of its servers: once before its first operation, again at each health check.
 
@@ -63,9 +90,12 @@ class ServerChecks:
         servers: Callable[[], list[redis.Redis]],
         errors: TranslatedErrors,
     ) -> None:
-        self._store = store  # named in the messages (its repr: the redacted URL)
+        #: How the messages name the store (its repr: the redacted URL); a name, not the store, and
+        #: ``servers`` held weakly: the store keeps this object and stays out of a reference cycle
+        #: (:class:`~singleton_tasks.stores._driver_errors.TranslatedErrors` says why).
+        self._store = _Named(repr(store))
         self._options = options
-        self._servers = servers
+        self._servers = _weak_callable(servers)
         self._errors = errors
         #: The server's eviction policy and replicas were checked (once per store).
         self._checked = False
