@@ -191,12 +191,21 @@ class RunLog:
     def __init__(self, url: str) -> None:
         self.url = url
         self._local = threading.local()
+        #: Every connection this process opened, by any thread: a thread that ends must not drop
+        #: its connection open (a ResourceWarning); :meth:`close` closes them all.
+        self._opened: list[psycopg.Connection[Any]] = []
+        self._opened_lock = threading.Lock()
+        self._opened_pid = os.getpid()
 
     def _conn(self) -> psycopg.Connection[Any]:
         conn: psycopg.Connection[Any] | None = getattr(self._local, "conn", None)
         if conn is None or conn.closed or getattr(self._local, "pid", None) != os.getpid():
             conn = psycopg.connect(self.url, autocommit=True, connect_timeout=10)
             self._local.conn, self._local.pid = conn, os.getpid()
+            with self._opened_lock:
+                if self._opened_pid != os.getpid():  # a forked child: the parent's are not its own
+                    self._opened, self._opened_pid = [], os.getpid()
+                self._opened.append(conn)
         return conn
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
@@ -212,8 +221,11 @@ class RunLog:
         raise AssertionError("unreachable")
 
     def close(self) -> None:
-        conn: psycopg.Connection[Any] | None = getattr(self._local, "conn", None)
-        if conn is not None and getattr(self._local, "pid", None) == os.getpid():
+        """Close every connection this process opened (each thread's)."""
+        with self._opened_lock:
+            opened = self._opened if self._opened_pid == os.getpid() else []
+            self._opened = []
+        for conn in opened:
             conn.close()
         self._local.conn = None
 
