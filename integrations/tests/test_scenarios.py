@@ -64,6 +64,20 @@ def started(h: Harness, run_id: str, *, count: int = 1, timeout: float = 30.0) -
     return h.log.bodies(h.settings.run, run_id)
 
 
+def exited_cleanly(procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
+    """Each process exits 0 within ``timeout``; one that does not is killed with the rest (a hung
+    producer must fail this test, not leave a running process to the next one)."""
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=timeout)
+            assert proc.returncode == 0, out.decode(errors="replace")[-4000:]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+
+
 def worker_of(h: Harness, body: Body) -> Worker:
     return next(w for w in h.workers.all if w.name == body.worker)
 
@@ -309,9 +323,7 @@ def test_producers_at_a_cap(harness: Callable[..., Harness], framework: str, bro
         )
         for i in range(2)
     ]
-    for proc in procs:
-        out, _ = proc.communicate(timeout=120)
-        assert proc.returncode == 0, out.decode(errors="replace")[-4000:]
+    exited_cleanly(procs, timeout=120)
     enqueues = h.log.load(h.settings.run).enqueues
     assert len(enqueues) == 160
     accepted = {e.run_id for e in enqueues if e.accepted}
@@ -435,9 +447,7 @@ def test_skewed_clocks_share_keys_safely(
         for i, shift in enumerate(CLOCK_SHIFTS):
             h.producer.send("mutex", f"A{i}", 0.2, item=1, via=drivers[shift])
             h.producer.send("mutex", f"B{i}", 0.2, item=1)
-        for proc in producers:
-            out, _ = proc.communicate(timeout=60)
-            assert proc.returncode == 0, out.decode(errors="replace")[-4000:]
+        exited_cleanly(producers, timeout=60)
         h.producer.flush()
         enqueues = h.log.load(h.settings.run).enqueues
         assert all(e.accepted for e in enqueues) and len(enqueues) == 6 * len(CLOCK_SHIFTS)
