@@ -423,6 +423,20 @@ def test_top_once_renders_one_lane_per_key(seeded: Seeded) -> None:
     assert "keys 3  holders 3  waiters 2  handoffs/s –" in frame
 
 
+def test_top_without_a_terminal_prints_a_frame_per_refresh(seeded: Seeded) -> None:
+    """`top | cat`, `top > file` (CliRunner's output is no terminal): whole plain-text frames, one
+    per refresh and a blank line after each, as `top -b` does; `--frames N` stops after N."""
+    result = invoke(seeded.args("top", "--frames", "2", "--interval", "0.1"))
+    assert result.exit_code == 0, result.output
+    frames = result.stdout.split("\n\n")
+    assert frames[-1] == "" and len(frames) == 3, result.stdout  # two frames, each ending in a blank line
+    for frame in frames[:2]:
+        assert frame.startswith("singleton-tasks top · "), frame
+        assert "[■] ●○" in lane(frame, "store:A"), frame
+        assert "keys 3  holders 3  waiters 2  handoffs/s" in frame
+    assert "\x1b[" not in result.stdout  # no colours, no cursor movement
+
+
 def test_top_frame_rates_handoffs_between_frames(seeded: Seeded) -> None:
     state = TopState()
     t0 = clock.now()

@@ -123,21 +123,56 @@ def render_top_frame(
     type=click.FloatRange(min=0.1),
     help="Seconds between refreshes.",
 )
-@click.option("--once", is_flag=True, help="Render one frame and exit.")
-def top(store_url: str | None, namespace: str, interval: float, once: bool) -> None:
-    """A live view: one lane per key, holders as slots, waiters queued behind them."""
-    from rich.live import Live
+@click.option("--once", is_flag=True, help="Render one frame and exit (same as --frames 1).")
+@click.option(
+    "--frames",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help="Exit after N frames [default: run until interrupted].",
+)
+def top(store_url: str | None, namespace: str, interval: float, once: bool, frames: int | None) -> None:
+    """A live view: one lane per key, holders as slots, waiters queued behind them.
 
+    On a terminal the view is redrawn in place. When the output is not a terminal (a pipe, a
+    file), each refresh prints a whole frame as plain text, followed by a blank line.
+    """
+    if once:
+        frames = 1
+    console = Console(soft_wrap=False)
     with open_store(store_url, namespace) as store:
         state = TopState()
-        if once:
-            Console(soft_wrap=False).print(top_frame(store, state))
-            return
         try:
-            with Live(top_frame(store, state), auto_refresh=False, screen=False) as live:
-                while True:
-                    # The refresh cadence of an interactive view, not a wait for a store event.
-                    time.sleep(interval)
-                    live.update(top_frame(store, state), refresh=True)
+            if frames == 1:
+                console.print(top_frame(store, state))
+            elif console.is_terminal:
+                _live(console, store, state, interval, frames)
+            else:
+                _snapshots(console, store, state, interval, frames)
         except KeyboardInterrupt:
             pass
+
+
+def _live(console: Console, store: Store, state: TopState, interval: float, frames: int | None) -> None:
+    """Redraw one frame in place, ``frames`` times (or until interrupted)."""
+    from rich.live import Live
+
+    with Live(top_frame(store, state), console=console, auto_refresh=False, screen=False) as live:
+        shown = 1
+        while frames is None or shown < frames:
+            # The refresh cadence of an interactive view, not a wait for a store event.
+            time.sleep(interval)
+            live.update(top_frame(store, state), refresh=True)
+            shown += 1
+
+
+def _snapshots(console: Console, store: Store, state: TopState, interval: float, frames: int | None) -> None:
+    """Print a whole frame per refresh, a blank line after each (``top -b``, for pipes and files)."""
+    shown = 0
+    while True:  # a reader that goes away (`top | head`) ends it: rich exits quietly, status 1
+        console.print(top_frame(store, state))
+        console.print()
+        shown += 1
+        if frames is not None and shown >= frames:
+            return
+        time.sleep(interval)  # the refresh cadence, as on a terminal
