@@ -492,6 +492,32 @@ def test_read_only_commands_never_create_a_store(tmp_path: Path) -> None:
     assert path.exists()
 
 
+def test_a_sqlite_path_in_a_missing_directory_is_an_error(tmp_path: Path) -> None:
+    """A mistyped directory is not an empty store: every command exits 2 naming the path, and
+    creates nothing. A missing file in an existing directory is shown empty, with a note."""
+    url = f"sqlite:///{tmp_path / 'no' / 'such' / 'dir' / 'x.db'}"
+    for args in (
+        ["inspect"],
+        ["inspect", "--json"],
+        ["top", "--once"],
+        ["top", "--frames", "1"],
+        ["migrate", "--check"],
+        ["migrate"],
+        ["release", "some-run", "--yes"],
+        ["drop-waiters", "--key", "store:A", "--yes"],
+    ):
+        result = invoke([*args, "--store", url])
+        assert result.exit_code == 2, (args, result.output)
+        assert f"the directory '{tmp_path / 'no' / 'such' / 'dir'}' does not exist" in result.stderr, args
+        assert result.stdout == "", (args, result.stdout)
+    assert list(tmp_path.iterdir()) == []
+    missing_file = invoke(["inspect", "--store", f"sqlite:///{tmp_path / 'x.db'}"])
+    assert missing_file.exit_code == 0, missing_file.output
+    assert f"no SQLite file at '{tmp_path / 'x.db'}' yet" in missing_file.stderr
+    assert "0 keys, 0 holders, 0 waiters" in missing_file.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_migrate_check_and_inspect_on_a_mismatched_schema() -> None:
     from singleton_tasks.stores.memory import MemoryStore
 
