@@ -12,11 +12,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import dramatiq
 import pytest
 from click.testing import CliRunner, Result
-from conftest import POSTGRES_URL, REDIS_URL, StoreFactory, require_server
+from conftest import POSTGRES_URL, REDIS_URL, StoreFactory, purge_namespaces, require_server
 
 from singleton_tasks import Store, clock, store_from_url
 from singleton_tasks.cli import cli
@@ -459,10 +460,12 @@ def test_top_frame_rates_handoffs_between_frames(seeded: Seeded) -> None:
 
 
 def test_migrate_check_exit_codes_on_a_fresh_sqlite_file(tmp_path: Path) -> None:
+    """A SQLite store creates its schema at first use: nothing is due before, nor after `migrate`."""
     url = f"sqlite:///{tmp_path / 'fresh.db'}"
     before = invoke(["migrate", "--check", "--store", url])
-    assert before.exit_code == 1, before.output
-    assert "upgrade due" in before.output
+    assert before.exit_code == 0, before.output
+    assert "no schema yet; nothing to migrate" in before.output
+    assert list(tmp_path.iterdir()) == []
     migrated = invoke(["migrate", "--store", url])
     assert migrated.exit_code == 0, migrated.output
     after = invoke(["migrate", "--check", "--store", url])
@@ -479,7 +482,7 @@ def test_read_only_commands_never_create_a_store(tmp_path: Path) -> None:
     path = tmp_path / "never.db"
     url = f"sqlite:///{path}"
     check = invoke(["migrate", "--check", "--store", url])
-    assert check.exit_code == 1 and "upgrade due" in check.output, check.output
+    assert check.exit_code == 0 and "nothing to migrate" in check.output, check.output
     shown = invoke(["inspect", "--store", url])
     assert shown.exit_code == 0 and "0 keys, 0 holders, 0 waiters" in shown.output, shown.output
     document = json.loads(invoke(["inspect", "--json", "--store", url]).stdout)
@@ -523,8 +526,9 @@ def test_migrate_check_and_inspect_on_a_mismatched_schema() -> None:
 
     url = f"memory://schema-{uuid.uuid4().hex}"
     store = MemoryStore(url)
-    store.set_schema_version_for_tests(None)
-    assert invoke(["migrate", "--check", "--store", url]).exit_code == 1
+    store.set_schema_version_for_tests(SCHEMA_VERSION - 1)  # written by an older library
+    older = invoke(["migrate", "--check", "--store", url])
+    assert older.exit_code == 1 and f"upgrade due: schema version {SCHEMA_VERSION - 1} →" in older.output
     assert invoke(["migrate", "--store", url]).exit_code == 0
     assert invoke(["migrate", "--check", "--store", url]).exit_code == 0
 
@@ -536,6 +540,53 @@ def test_migrate_check_and_inspect_on_a_mismatched_schema() -> None:
     inspected = invoke(["inspect", "--store", url])
     assert inspected.exit_code == 2
     assert "singleton-tasks migrate" in inspected.output
+
+
+@pytest.mark.redis
+def test_migrate_check_on_redis_fresh_and_old_namespaces() -> None:
+    """A fresh Redis namespace needs nothing (the store creates it at first use): exit 0, nothing
+    written. A namespace an older library wrote is due: exit 1 until `migrate`."""
+    require_server(REDIS_URL, "Redis")
+    namespace = f"t{uuid.uuid4().hex[:12]}"
+    store = store_from_url(REDIS_URL, namespace=namespace)
+    try:
+        fresh = invoke(["migrate", "--check", "--store", REDIS_URL, "--namespace", namespace])
+        assert fresh.exit_code == 0, fresh.output
+        assert "no schema yet; nothing to migrate" in fresh.output
+        assert store.schema_version() is None  # --check wrote nothing
+        store.migrate()
+        store.set_schema_version_for_tests(SCHEMA_VERSION - 1)
+        old = invoke(["migrate", "--check", "--store", REDIS_URL, "--namespace", namespace])
+        assert old.exit_code == 1, old.output
+        assert f"upgrade due: schema version {SCHEMA_VERSION - 1} → {SCHEMA_VERSION}" in old.output
+        assert invoke(["migrate", "--store", REDIS_URL, "--namespace", namespace]).exit_code == 0
+        current = invoke(["migrate", "--check", "--store", REDIS_URL, "--namespace", namespace])
+        assert current.exit_code == 0 and "is current" in current.output, current.output
+    finally:
+        store.close()
+        purge_namespaces("redis", REDIS_URL, {namespace})
+
+
+@pytest.mark.postgres
+def test_migrate_check_on_postgres_without_the_schema_is_due() -> None:
+    """Workers refuse a PostgreSQL database without the schema (an operator creates it): due."""
+    require_server(POSTGRES_URL, "PostgreSQL")
+    import psycopg
+
+    schema = f"st_cli_test_{uuid.uuid4().hex[:10]}"
+    separator = "&" if "?" in POSTGRES_URL else "?"
+    url = f"{POSTGRES_URL}{separator}options={quote(f'-csearch_path={schema}')}"
+    with psycopg.connect(POSTGRES_URL, autocommit=True) as connection:
+        connection.execute(f'CREATE SCHEMA "{schema}"')
+    try:
+        empty = invoke(["migrate", "--check", "--store", url])
+        assert empty.exit_code == 1, empty.output
+        assert "upgrade due: no schema yet; workers refuse this store" in empty.output
+        assert invoke(["migrate", "--store", url]).exit_code == 0
+        assert invoke(["migrate", "--check", "--store", url]).exit_code == 0
+    finally:
+        with psycopg.connect(POSTGRES_URL, autocommit=True) as connection:
+            connection.execute(f'DROP SCHEMA "{schema}" CASCADE')
 
 
 # -- passwords -------------------------------------------------------------------------------------
@@ -672,8 +723,10 @@ def test_console_entry_point_logs_the_operator_release(tmp_path: Path) -> None:
 
     url = f"sqlite:///{tmp_path / 'entry.db'}"
     command = [sys.executable, "-m", "singleton_tasks.cli"]
-    check = subprocess.run([*command, "migrate", "--check", "--store", url], capture_output=True, text=True)
-    assert check.returncode == 1, check.stderr
+    unknown = subprocess.run(
+        [*command, "release", "unknown-run", "--yes", "--store", url], capture_output=True, text=True
+    )
+    assert unknown.returncode == 1, unknown.stderr
     store = store_from_url(url, clock=ManualClock())
     try:
         store.migrate()

@@ -74,6 +74,8 @@ class _NoFileYet:
     ``migrate --check`` leave the host as they found it.
     """
 
+    migrates_on_first_use = True  # as the SQLite store that would open it
+
     def __init__(self, url: str, namespace: str) -> None:
         self.url = redact_url(url)
         self.namespace = check_namespace(namespace)
