@@ -180,6 +180,10 @@ def test_inspect_table_stays_readable_at_80_columns(store_factory: StoreFactory,
     assert "…" not in result.stdout, result.stdout  # no column cut to an ellipsis
     for run_id in ids:
         assert any(run_id in line for line in lines), result.stdout  # whole, on one line
+    tokens = [h.token for h in store.snapshot(scope=scope)[0].holders]
+    assert all(len(str(t)) == 16 for t in tokens)  # clock-derived: microseconds
+    for token in tokens:  # whole, as the logs and --json print it
+        assert any(f"token {token}" in line for line in lines), result.stdout
     words = result.stdout.split()
     for word in ("token", "executing", "waiting", "retry", "gated", "pending"):
         assert word in words, result.stdout
@@ -436,6 +440,36 @@ def test_top_without_a_terminal_prints_a_frame_per_refresh(seeded: Seeded) -> No
         assert "[■] ●○" in lane(frame, "store:A"), frame
         assert "keys 3  holders 3  waiters 2  handoffs/s" in frame
     assert "\x1b[" not in result.stdout  # no colours, no cursor movement
+
+
+def test_top_shows_each_keys_token_at_80_columns() -> None:
+    """A lane is one line that ends with the key's last token as its last 6 digits after an
+    ellipsis (docs/operations.md#top; `inspect` shows it whole): too narrow, the counts before it
+    are cut, not the token."""
+    url = f"memory://top-{uuid.uuid4().hex}"
+    store = store_from_url(url, clock=ManualClock())
+    store.migrate()
+    now = clock.now()
+    for key in ("store:A", "store:B", "store:C"):
+        count = 4 if key == "store:A" else 1  # A: a holder and three gated waiters
+        runs = [RunSpec("sync_inventory", key, str(uuid.uuid4()), limit=1) for _ in range(count)]
+        for run in runs:
+            at(store, now - 5).register(run)
+        assert at(store, now - 4).claim(runs[0], 0, None).decision is Decision.ADMITTED
+        for run in runs[1:]:
+            assert at(store, now - 3).claim(run, 0, b"payload").decision is Decision.GATED
+    result = CliRunner().invoke(cli, ["top", "--once", "--store", url], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    for snap in store.snapshot():
+        line = lane(result.stdout, snap.key)
+        assert len(str(snap.token)) == 16, snap.token  # clock-derived: microseconds
+        assert line.endswith(f"  token …{str(snap.token)[-6:]}"), result.stdout
+        assert len(line) <= 80, line
+    assert "[■]   1/1 held, 0 waiting  token …" in lane(result.stdout, "store:B"), result.stdout
+    assert "[■] ●●●  1/1 held, 3 waiting, oldest " in lane(result.stdout, "store:A"), result.stdout
+    narrow = CliRunner().invoke(cli, ["top", "--once", "--store", url], env={"COLUMNS": "60"})
+    [a] = store.snapshot(key="store:A")
+    assert lane(narrow.stdout, "store:A").endswith(f"1/1 held, …  token …{str(a.token)[-6:]}"), narrow.stdout
 
 
 def test_top_frame_rates_handoffs_between_frames(seeded: Seeded) -> None:

@@ -7,12 +7,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import click
-from rich.console import Console, Group, RenderableType
+from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
 from rich.text import Text
 
 from ..outcomes import KeySnapshot, RunState
 from ..stores import Store
-from ._format import clock_time, render_text, seconds
+from ._format import clock_time, render_text, seconds, short_token
 from ._open import open_store, snapshots, store_options
 
 
@@ -48,29 +48,51 @@ def _lane_name(snap: KeySnapshot) -> str:
     return f"{snap.scope} · {snap.key}"
 
 
-def _lane(snap: KeySnapshot, now: float, name_width: int = 36) -> Text:
-    lane = Text(no_wrap=True, overflow="ellipsis")  # one key, one line, however narrow the terminal
-    lane.append(_lane_name(snap)[:name_width].ljust(name_width) + " ", style="bold")
-    lane.append("[")
+@dataclass
+class _Lane:
+    """One key's line. Too wide for the terminal, its counts are cut first, so that its token
+    stays readable; then the whole line is (one key, one line, however narrow the terminal)."""
+
+    head: Text  # the key's name, its slots and its waiters' glyphs
+    counts: Text  # held, waiting, oldest
+    token: Text
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        counts = self.counts.copy()
+        room = options.max_width - self.head.cell_len - self.token.cell_len
+        if counts.cell_len > room:
+            counts.truncate(max(room, 1), overflow="ellipsis")
+        line = Text(no_wrap=True, overflow="ellipsis")
+        line.append_text(self.head)
+        line.append_text(counts)
+        line.append_text(self.token)
+        yield line
+
+
+def _lane(snap: KeySnapshot, now: float, name_width: int = 36) -> _Lane:
+    head = Text()
+    head.append(_lane_name(snap)[:name_width].ljust(name_width) + " ", style="bold")
+    head.append("[")
     for i in range(max(snap.limit, len(snap.holders))):
         if i < len(snap.holders):
             holder = snap.holders[i]
-            lane.append(
+            head.append(
                 "■" if holder.executing else "□", style="green" if holder.lease_expires_at > now else "red"
             )
         else:
-            lane.append("·", style="dim")
-    lane.append("] ")
+            head.append("·", style="dim")
+    head.append("] ")
     for waiter in snap.waiters[:MAX_GLYPHS]:
-        lane.append(_WAITER_GLYPH.get(waiter.state, "?"), style="yellow")
+        head.append(_WAITER_GLYPH.get(waiter.state, "?"), style="yellow")
     if len(snap.waiters) > MAX_GLYPHS:
-        lane.append(f" +{len(snap.waiters) - MAX_GLYPHS}", style="yellow")
-    lane.append(f"  {len(snap.holders)}/{snap.limit} held, {len(snap.waiters)} waiting")
+        head.append(f" +{len(snap.waiters) - MAX_GLYPHS}", style="yellow")
+    counts = Text(f"  {len(snap.holders)}/{snap.limit} held, {len(snap.waiters)} waiting")
     if snap.waiters:
         oldest = max(now - w.created_at for w in snap.waiters)
-        lane.append(f", oldest {seconds(oldest)}", style="yellow" if oldest < 60 else "red")
-    lane.append(f"  token {snap.token}", style="dim")
-    return lane
+        counts.append(f", oldest {seconds(oldest)}", style="yellow" if oldest < 60 else "red")
+    # Its last digits (docs/operations.md#top); `inspect` shows it whole.
+    token = Text(f"  token {short_token(snap.token)}", style="dim")
+    return _Lane(head, counts, token)
 
 
 def top_renderable(
