@@ -69,6 +69,7 @@ class Heartbeater:
         options = gatekeeper.options
         self._ceiling = options.heartbeat_interval or options.lease / 3
         self._running: dict[str, tuple[HolderRef, float]] = {}
+        self._tasks: dict[str, str] = {}  # run id -> task name, for the lost-slot error
         self._retries: list[tuple[Callable[[], object], str]] = []
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -98,10 +99,12 @@ class Heartbeater:
             self._thread = threading.Thread(target=self._loop, name="singleton-heartbeat", daemon=True)
             self._thread.start()
 
-    def track(self, ref: HolderRef, lease: float) -> None:
+    def track(self, ref: HolderRef, lease: float, task_name: str | None = None) -> None:
+        """Heartbeat ``ref`` from now on; ``task_name`` (default: its scope) names it in the logs."""
         with self._lock:
             shorter = lease / 3 < self._interval()
             self._running[ref.run_id] = (ref, lease)
+            self._tasks[ref.run_id] = task_name or ref.scope
             self._start()
             if shorter:
                 self._changed.notify()  # the thread sleeps for a longer interval: wake it
@@ -129,6 +132,7 @@ class Heartbeater:
     def untrack(self, run_id: str) -> None:
         with self._lock:
             self._running.pop(run_id, None)
+            self._tasks.pop(run_id, None)
 
     def running(self) -> list[HolderRef]:
         with self._lock:
@@ -149,15 +153,22 @@ class Heartbeater:
             # A run whose own thread settled it during the call was untracked before its release:
             # the store forgot it, and that is no loss. Still tracked as heartbeated: lost.
             lost = [
-                ref.run_id
+                (ref, self._tasks.pop(ref.run_id, ref.scope))
                 for ref in holders
                 if ref.run_id in dropped and self._running.get(ref.run_id, (None, 0.0))[0] == ref
             ]
-            for run_id in lost:
-                del self._running[run_id]
-        for run_id in lost:
-            logger.error("heartbeat: run %s lost its slot; another owner holds it now", run_id)
-        return lost
+            for ref, _task_name in lost:
+                del self._running[ref.run_id]
+        for ref, task_name in lost:
+            logger.error(
+                "%s run %s lost its slot of key %r (token %s) at its heartbeat: another owner holds it; "
+                "reject its writes by the fencing token",
+                task_name,
+                ref.run_id,
+                ref.key,
+                ref.token,
+            )
+        return [ref.run_id for ref, _task_name in lost]
 
     def tick_due(self) -> int:
         """One batch of the due work of keys nobody calls (re-issues, evictions, abandoned

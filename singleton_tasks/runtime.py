@@ -326,7 +326,7 @@ class Gatekeeper:
                     outcome.token,
                 )
             self.heartbeats.track(
-                HolderRef(spec.scope, spec.key, spec.run_id, outcome.token or 0), spec.lease
+                HolderRef(spec.scope, spec.key, spec.run_id, outcome.token or 0), spec.lease, task_name
             )
         if outcome.decision is Decision.STALE and issued_before(
             generation, clock.now() - self.store.retention
@@ -351,12 +351,16 @@ class Gatekeeper:
             )
         return outcome
 
-    def suspend(self, spec: RunSpec, token: int, delay: float) -> None:
+    def suspend(self, task_name: str, spec: RunSpec, token: int, delay: float) -> None:
         """A holder waits for its retry: stop heartbeating it, keep its slot."""
         self.heartbeats.untrack(spec.run_id)
         if not self.store.suspend(spec.scope, spec.key, spec.run_id, token, delay=delay):
             logger.error(
-                "run %s lost its slot of key %r before its retry (token %s)", spec.run_id, spec.key, token
+                "%s run %s lost its slot of key %r (token %s) before its retry: another owner holds it",
+                task_name,
+                spec.run_id,
+                spec.key,
+                token,
             )
 
     def release(

@@ -12,11 +12,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import dramatiq
 import pytest
 from click.testing import CliRunner, Result
-from conftest import POSTGRES_URL, REDIS_URL, StoreFactory, require_server
+from conftest import POSTGRES_URL, REDIS_URL, StoreFactory, purge_namespaces, require_server
 
 from singleton_tasks import Store, clock, store_from_url
 from singleton_tasks.cli import cli
@@ -179,6 +180,10 @@ def test_inspect_table_stays_readable_at_80_columns(store_factory: StoreFactory,
     assert "…" not in result.stdout, result.stdout  # no column cut to an ellipsis
     for run_id in ids:
         assert any(run_id in line for line in lines), result.stdout  # whole, on one line
+    tokens = [h.token for h in store.snapshot(scope=scope)[0].holders]
+    assert all(len(str(t)) == 16 for t in tokens)  # clock-derived: microseconds
+    for token in tokens:  # whole, as the logs and --json print it
+        assert any(f"token {token}" in line for line in lines), result.stdout
     words = result.stdout.split()
     for word in ("token", "executing", "waiting", "retry", "gated", "pending"):
         assert word in words, result.stdout
@@ -423,6 +428,50 @@ def test_top_once_renders_one_lane_per_key(seeded: Seeded) -> None:
     assert "keys 3  holders 3  waiters 2  handoffs/s –" in frame
 
 
+def test_top_without_a_terminal_prints_a_frame_per_refresh(seeded: Seeded) -> None:
+    """`top | cat`, `top > file` (CliRunner's output is no terminal): whole plain-text frames, one
+    per refresh and a blank line after each, as `top -b` does; `--frames N` stops after N."""
+    result = invoke(seeded.args("top", "--frames", "2", "--interval", "0.1"))
+    assert result.exit_code == 0, result.output
+    frames = result.stdout.split("\n\n")
+    assert frames[-1] == "" and len(frames) == 3, result.stdout  # two frames, each ending in a blank line
+    for frame in frames[:2]:
+        assert frame.startswith("singleton-tasks top · "), frame
+        assert "[■] ●○" in lane(frame, "store:A"), frame
+        assert "keys 3  holders 3  waiters 2  handoffs/s" in frame
+    assert "\x1b[" not in result.stdout  # no colours, no cursor movement
+
+
+def test_top_shows_each_keys_token_at_80_columns() -> None:
+    """A lane is one line that ends with the key's last token as its last 6 digits after an
+    ellipsis (docs/operations.md#top; `inspect` shows it whole): too narrow, the counts before it
+    are cut, not the token."""
+    url = f"memory://top-{uuid.uuid4().hex}"
+    store = store_from_url(url, clock=ManualClock())
+    store.migrate()
+    now = clock.now()
+    for key in ("store:A", "store:B", "store:C"):
+        count = 4 if key == "store:A" else 1  # A: a holder and three gated waiters
+        runs = [RunSpec("sync_inventory", key, str(uuid.uuid4()), limit=1) for _ in range(count)]
+        for run in runs:
+            at(store, now - 5).register(run)
+        assert at(store, now - 4).claim(runs[0], 0, None).decision is Decision.ADMITTED
+        for run in runs[1:]:
+            assert at(store, now - 3).claim(run, 0, b"payload").decision is Decision.GATED
+    result = CliRunner().invoke(cli, ["top", "--once", "--store", url], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    for snap in store.snapshot():
+        line = lane(result.stdout, snap.key)
+        assert len(str(snap.token)) == 16, snap.token  # clock-derived: microseconds
+        assert line.endswith(f"  token …{str(snap.token)[-6:]}"), result.stdout
+        assert len(line) <= 80, line
+    assert "[■]   1/1 held, 0 waiting  token …" in lane(result.stdout, "store:B"), result.stdout
+    assert "[■] ●●●  1/1 held, 3 waiting, oldest " in lane(result.stdout, "store:A"), result.stdout
+    narrow = CliRunner().invoke(cli, ["top", "--once", "--store", url], env={"COLUMNS": "60"})
+    [a] = store.snapshot(key="store:A")
+    assert lane(narrow.stdout, "store:A").endswith(f"1/1 held, …  token …{str(a.token)[-6:]}"), narrow.stdout
+
+
 def test_top_frame_rates_handoffs_between_frames(seeded: Seeded) -> None:
     state = TopState()
     t0 = clock.now()
@@ -445,10 +494,12 @@ def test_top_frame_rates_handoffs_between_frames(seeded: Seeded) -> None:
 
 
 def test_migrate_check_exit_codes_on_a_fresh_sqlite_file(tmp_path: Path) -> None:
+    """A SQLite store creates its schema at first use: nothing is due before, nor after `migrate`."""
     url = f"sqlite:///{tmp_path / 'fresh.db'}"
     before = invoke(["migrate", "--check", "--store", url])
-    assert before.exit_code == 1, before.output
-    assert "upgrade due" in before.output
+    assert before.exit_code == 0, before.output
+    assert "no schema yet; nothing to migrate" in before.output
+    assert list(tmp_path.iterdir()) == []
     migrated = invoke(["migrate", "--store", url])
     assert migrated.exit_code == 0, migrated.output
     after = invoke(["migrate", "--check", "--store", url])
@@ -465,7 +516,7 @@ def test_read_only_commands_never_create_a_store(tmp_path: Path) -> None:
     path = tmp_path / "never.db"
     url = f"sqlite:///{path}"
     check = invoke(["migrate", "--check", "--store", url])
-    assert check.exit_code == 1 and "upgrade due" in check.output, check.output
+    assert check.exit_code == 0 and "nothing to migrate" in check.output, check.output
     shown = invoke(["inspect", "--store", url])
     assert shown.exit_code == 0 and "0 keys, 0 holders, 0 waiters" in shown.output, shown.output
     document = json.loads(invoke(["inspect", "--json", "--store", url]).stdout)
@@ -478,13 +529,40 @@ def test_read_only_commands_never_create_a_store(tmp_path: Path) -> None:
     assert path.exists()
 
 
+def test_a_sqlite_path_in_a_missing_directory_is_an_error(tmp_path: Path) -> None:
+    """A mistyped directory is not an empty store: every command exits 2 naming the path, and
+    creates nothing. A missing file in an existing directory is shown empty, with a note."""
+    url = f"sqlite:///{tmp_path / 'no' / 'such' / 'dir' / 'x.db'}"
+    for args in (
+        ["inspect"],
+        ["inspect", "--json"],
+        ["top", "--once"],
+        ["top", "--frames", "1"],
+        ["migrate", "--check"],
+        ["migrate"],
+        ["release", "some-run", "--yes"],
+        ["drop-waiters", "--key", "store:A", "--yes"],
+    ):
+        result = invoke([*args, "--store", url])
+        assert result.exit_code == 2, (args, result.output)
+        assert f"the directory '{tmp_path / 'no' / 'such' / 'dir'}' does not exist" in result.stderr, args
+        assert result.stdout == "", (args, result.stdout)
+    assert list(tmp_path.iterdir()) == []
+    missing_file = invoke(["inspect", "--store", f"sqlite:///{tmp_path / 'x.db'}"])
+    assert missing_file.exit_code == 0, missing_file.output
+    assert f"no SQLite file at '{tmp_path / 'x.db'}' yet" in missing_file.stderr
+    assert "0 keys, 0 holders, 0 waiters" in missing_file.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_migrate_check_and_inspect_on_a_mismatched_schema() -> None:
     from singleton_tasks.stores.memory import MemoryStore
 
     url = f"memory://schema-{uuid.uuid4().hex}"
     store = MemoryStore(url)
-    store.set_schema_version_for_tests(None)
-    assert invoke(["migrate", "--check", "--store", url]).exit_code == 1
+    store.set_schema_version_for_tests(SCHEMA_VERSION - 1)  # written by an older library
+    older = invoke(["migrate", "--check", "--store", url])
+    assert older.exit_code == 1 and f"upgrade due: schema version {SCHEMA_VERSION - 1} →" in older.output
     assert invoke(["migrate", "--store", url]).exit_code == 0
     assert invoke(["migrate", "--check", "--store", url]).exit_code == 0
 
@@ -496,6 +574,53 @@ def test_migrate_check_and_inspect_on_a_mismatched_schema() -> None:
     inspected = invoke(["inspect", "--store", url])
     assert inspected.exit_code == 2
     assert "singleton-tasks migrate" in inspected.output
+
+
+@pytest.mark.redis
+def test_migrate_check_on_redis_fresh_and_old_namespaces() -> None:
+    """A fresh Redis namespace needs nothing (the store creates it at first use): exit 0, nothing
+    written. A namespace an older library wrote is due: exit 1 until `migrate`."""
+    require_server(REDIS_URL, "Redis")
+    namespace = f"t{uuid.uuid4().hex[:12]}"
+    store = store_from_url(REDIS_URL, namespace=namespace)
+    try:
+        fresh = invoke(["migrate", "--check", "--store", REDIS_URL, "--namespace", namespace])
+        assert fresh.exit_code == 0, fresh.output
+        assert "no schema yet; nothing to migrate" in fresh.output
+        assert store.schema_version() is None  # --check wrote nothing
+        store.migrate()
+        store.set_schema_version_for_tests(SCHEMA_VERSION - 1)
+        old = invoke(["migrate", "--check", "--store", REDIS_URL, "--namespace", namespace])
+        assert old.exit_code == 1, old.output
+        assert f"upgrade due: schema version {SCHEMA_VERSION - 1} → {SCHEMA_VERSION}" in old.output
+        assert invoke(["migrate", "--store", REDIS_URL, "--namespace", namespace]).exit_code == 0
+        current = invoke(["migrate", "--check", "--store", REDIS_URL, "--namespace", namespace])
+        assert current.exit_code == 0 and "is current" in current.output, current.output
+    finally:
+        store.close()
+        purge_namespaces("redis", REDIS_URL, {namespace})
+
+
+@pytest.mark.postgres
+def test_migrate_check_on_postgres_without_the_schema_is_due() -> None:
+    """Workers refuse a PostgreSQL database without the schema (an operator creates it): due."""
+    require_server(POSTGRES_URL, "PostgreSQL")
+    import psycopg
+
+    schema = f"st_cli_test_{uuid.uuid4().hex[:10]}"
+    separator = "&" if "?" in POSTGRES_URL else "?"
+    url = f"{POSTGRES_URL}{separator}options={quote(f'-csearch_path={schema}')}"
+    with psycopg.connect(POSTGRES_URL, autocommit=True) as connection:
+        connection.execute(f'CREATE SCHEMA "{schema}"')
+    try:
+        empty = invoke(["migrate", "--check", "--store", url])
+        assert empty.exit_code == 1, empty.output
+        assert "upgrade due: no schema yet; workers refuse this store" in empty.output
+        assert invoke(["migrate", "--store", url]).exit_code == 0
+        assert invoke(["migrate", "--check", "--store", url]).exit_code == 0
+    finally:
+        with psycopg.connect(POSTGRES_URL, autocommit=True) as connection:
+            connection.execute(f'DROP SCHEMA "{schema}" CASCADE')
 
 
 # -- passwords -------------------------------------------------------------------------------------
@@ -632,8 +757,10 @@ def test_console_entry_point_logs_the_operator_release(tmp_path: Path) -> None:
 
     url = f"sqlite:///{tmp_path / 'entry.db'}"
     command = [sys.executable, "-m", "singleton_tasks.cli"]
-    check = subprocess.run([*command, "migrate", "--check", "--store", url], capture_output=True, text=True)
-    assert check.returncode == 1, check.stderr
+    unknown = subprocess.run(
+        [*command, "release", "unknown-run", "--yes", "--store", url], capture_output=True, text=True
+    )
+    assert unknown.returncode == 1, unknown.stderr
     store = store_from_url(url, clock=ManualClock())
     try:
         store.migrate()

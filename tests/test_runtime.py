@@ -293,3 +293,32 @@ def test_a_process_creates_a_missing_schema_only_where_the_store_class_allows_it
     embedded.set_schema_version_for_tests(None)
     Gatekeeper(embedded).store  # noqa: B018
     assert embedded.schema_version() == SCHEMA_VERSION
+
+
+def test_a_lost_slot_error_names_task_key_run_and_token(caplog: pytest.LogCaptureFixture) -> None:
+    """docs/operations.md#logging: the error of a holder that lost its slot (found by its heartbeat,
+    or as it waits for its retry) names its task, run id, key and token, as the release's does."""
+    gatekeeper = Gatekeeper(store_from_url(memory()))
+    store = gatekeeper.store
+    spec = RunSpec("reports", "customer-7", "run-lost")
+    outcome = gatekeeper.claim("tasks.build_report", spec, 0, None)
+    token = outcome.token
+    assert token is not None
+    store.release("reports", "customer-7", "run-lost", token=token)  # another owner's doing
+    with caplog.at_level(logging.ERROR, logger="singleton_tasks"):
+        assert gatekeeper.heartbeats.beat() == ["run-lost"]
+    (line,) = [r.getMessage() for r in caplog.records if "lost its slot" in r.getMessage()]
+    for part in ("tasks.build_report", "'customer-7'", "run-lost", f"token {token}"):
+        assert part in line, line
+    # The same error when a holder's slot is gone as it waits for its retry.
+    caplog.clear()
+    spec = RunSpec("reports", "customer-8", "run-retried")
+    token = gatekeeper.claim("tasks.build_report", spec, 0, None).token
+    assert token is not None
+    store.release("reports", "customer-8", "run-retried", token=token)
+    with caplog.at_level(logging.ERROR, logger="singleton_tasks"):
+        gatekeeper.suspend("tasks.build_report", spec, token, 5.0)
+    (line,) = [r.getMessage() for r in caplog.records if "lost its slot" in r.getMessage()]
+    for part in ("tasks.build_report", "'customer-8'", "run-retried", f"token {token}"):
+        assert part in line, line
+    gatekeeper.close()

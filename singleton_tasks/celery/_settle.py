@@ -48,12 +48,12 @@ def on_postrun(
     if state == celery_states.RETRY:
         delay = _retry_delay(retval)
         gatekeeper.settle_or_retry(
-            lambda: gatekeeper.suspend(spec, token, delay), f"suspend {task.name} run {task_id}"
+            lambda: gatekeeper.suspend(task.name, spec, token, delay), f"suspend {task.name} run {task_id}"
         )
     elif state == celery_states.REJECTED and getattr(retval, "requeue", False):
         # The broker redelivers it: the copy reclaims its own slot at once.
         gatekeeper.settle_or_retry(
-            lambda: gatekeeper.suspend(spec, token, 0.0), f"suspend {task.name} run {task_id}"
+            lambda: gatekeeper.suspend(task.name, spec, token, 0.0), f"suspend {task.name} run {task_id}"
         )
     else:
         gatekeeper.settle_or_retry(

@@ -28,6 +28,17 @@ def seconds(value: float) -> str:
     return f"{int(value // 3600)}h{int(value % 3600 // 60):02d}m"
 
 
+#: ``top`` shows a token by this many last digits: the tokens of one key differ there unless
+#: handed out a whole number of seconds apart, to the microsecond.
+TOKEN_DIGITS = 6
+
+
+def short_token(token: int) -> str:
+    """A token as ``top`` shows it: its last TOKEN_DIGITS digits after an ellipsis (``…583123``)."""
+    digits = str(token)
+    return digits if len(digits) <= TOKEN_DIGITS else "…" + digits[-TOKEN_DIGITS:]
+
+
 def waiter_state(waiter: WaiterView) -> str:
     """``pending``, ``gated``, ``woken``, or ``phantom`` (its data is lost)."""
     if waiter.phantom:

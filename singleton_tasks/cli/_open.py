@@ -1,7 +1,8 @@
 """Opening the store a command names (``--store``, ``--namespace``), its errors shown clean and redacted.
 
-A SQLite file that does not exist is shown empty rather than created, unless the command
-creates (``migrate``); a store never migrated reads as having no keys.
+A SQLite file that does not exist is shown empty (with a note on stderr) rather than created,
+unless the command creates (``migrate``); a SQLite path whose directory does not exist is an
+error; a store never migrated reads as having no keys.
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ class _NoFileYet:
     ``migrate --check`` leave the host as they found it.
     """
 
+    migrates_on_first_use = True  # as the SQLite store that would open it
+
     def __init__(self, url: str, namespace: str) -> None:
         self.url = redact_url(url)
         self.namespace = check_namespace(namespace)
@@ -87,28 +90,43 @@ class _NoFileYet:
         pass
 
 
-def _sqlite_file_missing(url: str) -> bool:
+def _sqlite_path(url: str) -> str | None:
+    """The database path of a SQLite URL; None for another store, an in-memory one or a bad URL."""
     try:
         if check_store_url(url) != "sqlite":
-            return False
+            return None
     except SingletonError:
-        return False  # store_from_url reports it
+        return None  # store_from_url reports it
     from ..stores.sqlite import sqlite_path
 
     path = sqlite_path(url)
-    return path != ":memory:" and not os.path.exists(path)
+    return None if path == ":memory:" else path
 
 
 @contextmanager
 def open_store(store_url: str | None, namespace: str, *, create: bool = False) -> Iterator[Store]:
     """The store, with every library error turned into a clean, redacted CLI error.
 
-    Unless ``create``, a SQLite file that does not exist is not created: it is shown empty.
+    A SQLite path whose directory does not exist is an error (a mistyped path). Unless
+    ``create``, a SQLite file that does not exist is not created: it is shown empty, with a note.
     """
     url = store_url or _default_store_url()
+    path = _sqlite_path(url)
+    if path is not None:
+        directory = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(directory):
+            raise StoreProblem(
+                f"{url}: no SQLite database at {path!r}: the directory {directory!r} does not exist "
+                "(a mistyped path?)"
+            )
     store: Store | None = None
     try:
-        if not create and _sqlite_file_missing(url):
+        if not create and path is not None and not os.path.exists(path):
+            click.echo(
+                f"note: no SQLite file at {os.path.abspath(path)!r} yet (nothing has used this store): "
+                "shown empty",
+                err=True,
+            )
             yield cast(Store, _NoFileYet(url, namespace))
             return
         store = store_from_url(url, namespace=namespace)

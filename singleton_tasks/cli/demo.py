@@ -30,7 +30,7 @@ from ..errors import SingletonQueueFullError
 from ._open import StoreProblem
 
 BODY_SECONDS = 0.5
-LANE_WIDTH = 48
+LANE_WIDTH = 40  # with the key and the runs' tokens, whole, the table fits 80 columns
 FRAMEWORKS = ("dramatiq", "celery")
 SENDS = [("A", "A1"), ("A", "A2"), ("A", "A3"), ("B", "B1"), ("C", "C1")]
 
@@ -182,7 +182,7 @@ def _print_lanes(console: Console, runs: list[Run], origin: float, total: float)
     table = Table(title="lanes (one slot each; time →)", show_lines=False)
     table.add_column("key")
     table.add_column(f"0 … {total:.1f} s", no_wrap=True)
-    table.add_column("runs (token)")
+    table.add_column("run token", no_wrap=True)  # tokens whole: they are what the logs print
     for store in sorted({r.store for r in runs}):
         lane = [" "] * LANE_WIDTH
         mine = sorted((r for r in runs if r.store == store), key=lambda r: r.start)
@@ -191,7 +191,7 @@ def _print_lanes(console: Console, runs: list[Run], origin: float, total: float)
             last = max(first, min(LANE_WIDTH - 1, int((run.end - origin) * scale) - 1))
             for i in range(first, last + 1):
                 lane[i] = run.label[-1]
-        table.add_row(f"store:{store}", "".join(lane), ", ".join(f"{r.label} ({r.token})" for r in mine))
+        table.add_row(f"store:{store}", "".join(lane), "\n".join(f"{r.label:<3} {r.token}" for r in mine))
     console.print()
     console.print(table)
     overlaps = sum(

@@ -34,9 +34,9 @@ store's clock, durations are seconds; the store's password is redacted):
   "keys": [                                      # sorted by scope, key
     {
       "scope": "tasks.sync_inventory", "key": "store:A", "limit": 1,
-      "token": 42,                               # last fencing token handed out
+      "token": 1767279283512300,                 # last fencing token handed out
       "holders": [                               # by token
-        {"run_id": "…", "token": 42, "admitted_at": …, "heartbeat_at": …,
+        {"run_id": "…", "token": 1767279283512300, "admitted_at": …, "heartbeat_at": …,
          "lease_expires_at": …, "lease_age": 3.2,    # seconds since the last heartbeat
          "lease_expired": false,
          "status": "executing"}                  # or "waiting_for_retry"; "phantom": its

@@ -7,12 +7,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import click
-from rich.console import Console, Group, RenderableType
+from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
 from rich.text import Text
 
 from ..outcomes import KeySnapshot, RunState
 from ..stores import Store
-from ._format import clock_time, render_text, seconds
+from ._format import clock_time, render_text, seconds, short_token
 from ._open import open_store, snapshots, store_options
 
 
@@ -48,29 +48,51 @@ def _lane_name(snap: KeySnapshot) -> str:
     return f"{snap.scope} · {snap.key}"
 
 
-def _lane(snap: KeySnapshot, now: float, name_width: int = 36) -> Text:
-    lane = Text(no_wrap=True, overflow="ellipsis")  # one key, one line, however narrow the terminal
-    lane.append(_lane_name(snap)[:name_width].ljust(name_width) + " ", style="bold")
-    lane.append("[")
+@dataclass
+class _Lane:
+    """One key's line. Too wide for the terminal, its counts are cut first, so that its token
+    stays readable; then the whole line is (one key, one line, however narrow the terminal)."""
+
+    head: Text  # the key's name, its slots and its waiters' glyphs
+    counts: Text  # held, waiting, oldest
+    token: Text
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        counts = self.counts.copy()
+        room = options.max_width - self.head.cell_len - self.token.cell_len
+        if counts.cell_len > room:
+            counts.truncate(max(room, 1), overflow="ellipsis")
+        line = Text(no_wrap=True, overflow="ellipsis")
+        line.append_text(self.head)
+        line.append_text(counts)
+        line.append_text(self.token)
+        yield line
+
+
+def _lane(snap: KeySnapshot, now: float, name_width: int = 36) -> _Lane:
+    head = Text()
+    head.append(_lane_name(snap)[:name_width].ljust(name_width) + " ", style="bold")
+    head.append("[")
     for i in range(max(snap.limit, len(snap.holders))):
         if i < len(snap.holders):
             holder = snap.holders[i]
-            lane.append(
+            head.append(
                 "■" if holder.executing else "□", style="green" if holder.lease_expires_at > now else "red"
             )
         else:
-            lane.append("·", style="dim")
-    lane.append("] ")
+            head.append("·", style="dim")
+    head.append("] ")
     for waiter in snap.waiters[:MAX_GLYPHS]:
-        lane.append(_WAITER_GLYPH.get(waiter.state, "?"), style="yellow")
+        head.append(_WAITER_GLYPH.get(waiter.state, "?"), style="yellow")
     if len(snap.waiters) > MAX_GLYPHS:
-        lane.append(f" +{len(snap.waiters) - MAX_GLYPHS}", style="yellow")
-    lane.append(f"  {len(snap.holders)}/{snap.limit} held, {len(snap.waiters)} waiting")
+        head.append(f" +{len(snap.waiters) - MAX_GLYPHS}", style="yellow")
+    counts = Text(f"  {len(snap.holders)}/{snap.limit} held, {len(snap.waiters)} waiting")
     if snap.waiters:
         oldest = max(now - w.created_at for w in snap.waiters)
-        lane.append(f", oldest {seconds(oldest)}", style="yellow" if oldest < 60 else "red")
-    lane.append(f"  token {snap.token}", style="dim")
-    return lane
+        counts.append(f", oldest {seconds(oldest)}", style="yellow" if oldest < 60 else "red")
+    # Its last digits (docs/operations.md#top); `inspect` shows it whole.
+    token = Text(f"  token {short_token(snap.token)}", style="dim")
+    return _Lane(head, counts, token)
 
 
 def top_renderable(
@@ -123,21 +145,56 @@ def render_top_frame(
     type=click.FloatRange(min=0.1),
     help="Seconds between refreshes.",
 )
-@click.option("--once", is_flag=True, help="Render one frame and exit.")
-def top(store_url: str | None, namespace: str, interval: float, once: bool) -> None:
-    """A live view: one lane per key, holders as slots, waiters queued behind them."""
-    from rich.live import Live
+@click.option("--once", is_flag=True, help="Render one frame and exit (same as --frames 1).")
+@click.option(
+    "--frames",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help="Exit after N frames [default: run until interrupted].",
+)
+def top(store_url: str | None, namespace: str, interval: float, once: bool, frames: int | None) -> None:
+    """A live view: one lane per key, holders as slots, waiters queued behind them.
 
+    On a terminal the view is redrawn in place. When the output is not a terminal (a pipe, a
+    file), each refresh prints a whole frame as plain text, followed by a blank line.
+    """
+    if once:
+        frames = 1
+    console = Console(soft_wrap=False)
     with open_store(store_url, namespace) as store:
         state = TopState()
-        if once:
-            Console(soft_wrap=False).print(top_frame(store, state))
-            return
         try:
-            with Live(top_frame(store, state), auto_refresh=False, screen=False) as live:
-                while True:
-                    # The refresh cadence of an interactive view, not a wait for a store event.
-                    time.sleep(interval)
-                    live.update(top_frame(store, state), refresh=True)
+            if frames == 1:
+                console.print(top_frame(store, state))
+            elif console.is_terminal:
+                _live(console, store, state, interval, frames)
+            else:
+                _snapshots(console, store, state, interval, frames)
         except KeyboardInterrupt:
             pass
+
+
+def _live(console: Console, store: Store, state: TopState, interval: float, frames: int | None) -> None:
+    """Redraw one frame in place, ``frames`` times (or until interrupted)."""
+    from rich.live import Live
+
+    with Live(top_frame(store, state), console=console, auto_refresh=False, screen=False) as live:
+        shown = 1
+        while frames is None or shown < frames:
+            # The refresh cadence of an interactive view, not a wait for a store event.
+            time.sleep(interval)
+            live.update(top_frame(store, state), refresh=True)
+            shown += 1
+
+
+def _snapshots(console: Console, store: Store, state: TopState, interval: float, frames: int | None) -> None:
+    """Print a whole frame per refresh, a blank line after each (``top -b``, for pipes and files)."""
+    shown = 0
+    while True:  # a reader that goes away (`top | head`) ends it: rich exits quietly, status 1
+        console.print(top_frame(store, state))
+        console.print()
+        shown += 1
+        if frames is not None and shown >= frames:
+            return
+        time.sleep(interval)  # the refresh cadence, as on a terminal

@@ -436,7 +436,7 @@ class SingletonMiddleware(dramatiq.Middleware):
             delay = delivery.retry_delay or 0.0
 
             def suspend() -> None:
-                self.gatekeeper.suspend(spec, token, delay)
+                self.gatekeeper.suspend(bound.task_name, spec, token, delay)
 
             self.gatekeeper.settle_or_retry(suspend, f"keeping the slot of run {spec.run_id} for its retry")
             return
