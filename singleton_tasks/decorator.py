@@ -206,6 +206,7 @@ def singleton(
     scope: str | None = None,
     lease: float | None = None,
     orphan_timeout: float | None = None,
+    on_full: str = "raise",
 ) -> Callable[[T], T]:
     """Make the decorated task a durable FIFO mutex per key; validated at declaration.
 
@@ -223,6 +224,7 @@ def singleton(
         "scope": scope,
         "lease": lease,
         "orphan_timeout": orphan_timeout,
+        "on_full": on_full,
     }
 
     def decorate(task: T) -> T:

@@ -43,6 +43,16 @@ class SchemaError(core.SchemaVersionError, MiddlewareError):
     """The store's schema is missing or incompatible: the worker refuses to start, ``.send()`` raises."""
 
 
+class Dropped(MiddlewareError):
+    """A send dropped by ``on_full="drop"``: nothing registered or published. Raised out of
+    ``before_enqueue`` to stop the publish, it never leaves the broker's ``enqueue``
+    (:func:`._internals.return_dropped_sends`), which returns ``message`` instead."""
+
+    def __init__(self, message: object) -> None:
+        super().__init__("singleton send dropped: its key is full (on_full='drop')")
+        self.message = message
+
+
 class DeferralFailed(MiddlewareError):
     """The deferred copy could not be published: the delivery fails instead of being lost."""
 
