@@ -216,6 +216,10 @@ def singleton(
     ``SingletonMiddleware`` must be on the broker by then; Celery: when the app is finalized, or
     at once after ``singleton_tasks.celery.install(app)``). On a function that never becomes a
     task it changes nothing but a warning when the function is called.
+
+    ``on_full`` is what a send over ``limit + max_queue_depth`` does: ``"raise"``
+    ``SingletonQueueFullError``, or ``"drop"`` the run without publishing or raising
+    (docs/concepts.md#backlog-cap).
     """
     options = {
         "key": key,
