@@ -9,7 +9,7 @@ import inspect
 import string
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 from .errors import SingletonConfigError, SingletonError, SingletonKeyError
 
@@ -56,7 +56,8 @@ KeySpec = str | Callable[..., object]
 
 #: What a send does when its key's line is full (docs/concepts.md#backlog-cap): ``"raise"``
 #: SingletonQueueFullError, or ``"drop"`` the run quietly (nothing published or registered).
-ON_FULL_CHOICES = ("raise", "drop")
+OnFull = Literal["raise", "drop"]
+ON_FULL_CHOICES: tuple[OnFull, ...] = get_args(OnFull)
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ class SingletonConfig:
     lease: float | None = None
     orphan_timeout: float | None = field(default=None)
     # ``orphan_timeout=None`` means "the worker's default"; DISABLED turns eviction off.
-    on_full: str = "raise"
+    on_full: OnFull = "raise"
 
     def __post_init__(self) -> None:
         if not (isinstance(self.key, str) or callable(self.key)):

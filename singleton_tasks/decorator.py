@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from .config import BoundSingleton, KeySpec, SingletonConfig
+from .config import BoundSingleton, KeySpec, OnFull, SingletonConfig
 from .errors import SingletonConfigError
 
 T = TypeVar("T")
@@ -206,7 +206,7 @@ def singleton(
     scope: str | None = None,
     lease: float | None = None,
     orphan_timeout: float | None = None,
-    on_full: str = "raise",
+    on_full: OnFull = "raise",
 ) -> Callable[[T], T]:
     """Make the decorated task a durable FIFO mutex per key; validated at declaration.
 
