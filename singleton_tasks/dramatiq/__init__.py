@@ -261,7 +261,7 @@ class SingletonMiddleware(dramatiq.Middleware):
             raise for_sender(error) from error
         if outcome.status is Registered.FULL:
             # on_full="drop": nothing registered; the broker's enqueue returns the message unsent.
-            raise Dropped(message)
+            raise Dropped(f"{bound.task_name} run {spec.run_id} dropped: key {spec.key!r} is full")
         if outcome.status is Registered.EXISTS:
             # A start of a run id that is already in line: this copy is dropped at the gate
             # (docs/concepts.md#keys-vs-run-ids).

@@ -46,11 +46,7 @@ class SchemaError(core.SchemaVersionError, MiddlewareError):
 class Dropped(MiddlewareError):
     """A send dropped by ``on_full="drop"``: nothing registered or published. Raised out of
     ``before_enqueue`` to stop the publish, it never leaves the broker's ``enqueue``
-    (:func:`._internals.return_dropped_sends`), which returns ``message`` instead."""
-
-    def __init__(self, message: object) -> None:
-        super().__init__("singleton send dropped: its key is full (on_full='drop')")
-        self.message = message
+    (:func:`._internals.return_dropped_sends`), which returns the message unsent instead."""
 
 
 class DeferralFailed(MiddlewareError):

@@ -96,8 +96,8 @@ def guard_message_building(actor: dramatiq.Actor[Any, Any], check: Callable[[], 
 
 
 def return_dropped_sends(broker: Broker, dropped: type[Exception]) -> None:
-    """Make ``broker.enqueue`` return the message of a send its hooks dropped (raised ``dropped``,
-    an exception with a ``message`` attribute) instead of raising (9.)."""
+    """Make ``broker.enqueue`` return the message of a send its hooks dropped (raised ``dropped``)
+    instead of raising (9.)."""
     enqueue = broker.enqueue
     if getattr(enqueue, "_singleton_drops", False):
         return
