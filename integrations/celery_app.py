@@ -18,6 +18,7 @@ from singleton_tasks.celery import SingletonTask, install
 
 from .runlog import Enqueue, Flaky, RunLog, perform
 from .settings import (
+    DROPPING_TASKS,
     MAX_RETRIES,
     PLAIN_TASK,
     SINGLETON_TASKS,
@@ -92,6 +93,7 @@ def build(settings: Settings) -> Celery:
                 "key": "{key}",
                 "limit": limit,
                 "max_queue_depth": depth,
+                "on_full": "drop" if name in DROPPING_TASKS else "raise",
                 **TASK_TIMINGS.get(name, {}),
             },
             name=name,

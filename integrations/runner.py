@@ -18,6 +18,7 @@ from __future__ import annotations
 import abc
 import argparse
 import contextlib
+import dataclasses
 import glob
 import itertools
 import os
@@ -61,7 +62,7 @@ class Prepared:
     """A message built but not published yet: its run id is known before the enqueue can fail."""
 
     run_id: str
-    publish: Callable[[], None]
+    publish: Callable[[], object]  # returns what the framework's send returned
 
 
 class Driver(abc.ABC):
@@ -128,9 +129,9 @@ class DramatiqDriver(Driver):
         actor = self.app.actors[task]
         message = actor.message(key, item, duration, fail)
 
-        def publish() -> None:
+        def publish() -> object:
             self.sent[message.message_id] = message
-            actor.broker.enqueue(message)
+            return actor.broker.enqueue(message)
 
         return Prepared(message.message_id, publish)
 
@@ -210,9 +211,9 @@ class CeleryDriver(Driver):
         run_id = celery_uuid()
         args = (key, item, duration, fail)
 
-        def publish() -> None:
+        def publish() -> object:
             self.sent[run_id] = (task, args)
-            self.app.tasks[task].apply_async(args, task_id=run_id, queue=self.settings.queue)
+            return self.app.tasks[task].apply_async(args, task_id=run_id, queue=self.settings.queue)
 
         return Prepared(run_id, publish)
 
@@ -459,6 +460,8 @@ class Producer:
     _seq: Iterator[int] = field(default_factory=itertools.count)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _flushed: int = 0
+    #: What each send returned (the framework's message or result), by run id.
+    returned: dict[str, object] = field(default_factory=dict)
 
     def send(
         self,
@@ -477,7 +480,9 @@ class Producer:
         at = real_time()
         error: str | None = None
         try:
-            prepared.publish()
+            returned = prepared.publish()
+            with self._lock:
+                self.returned[prepared.run_id] = returned
         except SingletonQueueFullError:
             error = "SingletonQueueFullError"
         except StoreUnavailableError:
@@ -492,6 +497,15 @@ class Producer:
         with self._lock:
             self.records.append(record)
         return record
+
+    def mark_dropped(self, run_ids: set[str]) -> None:
+        """Log these sends as not accepted (``on_full="drop"``: they returned without raising)."""
+        with self._lock:
+            assert self._flushed == 0 or all(r.run_id not in run_ids for r in self.records[: self._flushed])
+            self.records = [
+                dataclasses.replace(r, accepted=False, error="dropped") if r.run_id in run_ids else r
+                for r in self.records
+            ]
 
     def accepted(self) -> list[Enqueue]:
         with self._lock:

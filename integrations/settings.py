@@ -26,7 +26,10 @@ SINGLETON_TASKS: dict[str, tuple[int, int | None]] = {
     "capped": (1, 5),
     "brief": (1, None),
     "narrow": (1, 2),
+    "coalesced": (1, 1),
 }
+#: Tasks whose sends over the cap are dropped (``on_full="drop"``) instead of raising.
+DROPPING_TASKS = {"coalesced"}
 #: Task-level overrides of the middleware's timings: ``brief`` has a lease far shorter than the
 #: middleware's (its heartbeats must follow its own lease).
 TASK_TIMINGS: dict[str, dict[str, float]] = {"brief": {"lease": 5.0, "orphan_timeout": 5.0}}

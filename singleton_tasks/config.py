@@ -9,7 +9,7 @@ import inspect
 import string
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 from .errors import SingletonConfigError, SingletonError, SingletonKeyError
 
@@ -54,6 +54,11 @@ MIN_LEASE = 3.0
 
 KeySpec = str | Callable[..., object]
 
+#: What a send does when its key's line is full (docs/concepts.md#backlog-cap): ``"raise"``
+#: SingletonQueueFullError, or ``"drop"`` the run quietly (nothing published or registered).
+OnFull = Literal["raise", "drop"]
+ON_FULL_CHOICES: tuple[OnFull, ...] = get_args(OnFull)
+
 
 @dataclass(frozen=True)
 class SingletonConfig:
@@ -66,6 +71,7 @@ class SingletonConfig:
     lease: float | None = None
     orphan_timeout: float | None = field(default=None)
     # ``orphan_timeout=None`` means "the worker's default"; DISABLED turns eviction off.
+    on_full: OnFull = "raise"
 
     def __post_init__(self) -> None:
         if not (isinstance(self.key, str) or callable(self.key)):
@@ -83,6 +89,16 @@ class SingletonConfig:
         ):
             raise SingletonConfigError(
                 f"singleton max_queue_depth must be None or an int >= 0, got {self.max_queue_depth!r}"
+            )
+        if not isinstance(self.on_full, str) or self.on_full not in ON_FULL_CHOICES:
+            raise SingletonConfigError(
+                f"singleton on_full must be one of {', '.join(map(repr, ON_FULL_CHOICES))}, "
+                f"got {self.on_full!r}"
+            )
+        if self.on_full != "raise" and self.max_queue_depth is None:
+            raise SingletonConfigError(
+                f"singleton on_full={self.on_full!r} needs a max_queue_depth (0 or more): "
+                "without one the key's line is never full"
             )
         if self.scope is not None and (not isinstance(self.scope, str) or not self.scope):
             raise SingletonConfigError(f"singleton scope must be a non-empty str, got {self.scope!r}")
@@ -130,7 +146,7 @@ class _Disabled(float):
 
 DISABLED: float = _Disabled("inf")
 
-_FIELDS = {"key", "limit", "max_queue_depth", "scope", "lease", "orphan_timeout"}
+_FIELDS = {"key", "limit", "max_queue_depth", "scope", "lease", "orphan_timeout", "on_full"}
 
 
 def check_lease(lease: object, what: str) -> float:

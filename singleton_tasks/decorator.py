@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from .config import BoundSingleton, KeySpec, SingletonConfig
+from .config import BoundSingleton, KeySpec, OnFull, SingletonConfig
 from .errors import SingletonConfigError
 
 T = TypeVar("T")
@@ -206,6 +206,7 @@ def singleton(
     scope: str | None = None,
     lease: float | None = None,
     orphan_timeout: float | None = None,
+    on_full: OnFull = "raise",
 ) -> Callable[[T], T]:
     """Make the decorated task a durable FIFO mutex per key; validated at declaration.
 
@@ -215,6 +216,10 @@ def singleton(
     ``SingletonMiddleware`` must be on the broker by then; Celery: when the app is finalized, or
     at once after ``singleton_tasks.celery.install(app)``). On a function that never becomes a
     task it changes nothing but a warning when the function is called.
+
+    ``on_full`` is what a send over ``limit + max_queue_depth`` does: ``"raise"``
+    ``SingletonQueueFullError``, or ``"drop"`` the run without publishing or raising
+    (docs/concepts.md#backlog-cap).
     """
     options = {
         "key": key,
@@ -223,6 +228,7 @@ def singleton(
         "scope": scope,
         "lease": lease,
         "orphan_timeout": orphan_timeout,
+        "on_full": on_full,
     }
 
     def decorate(task: T) -> T:

@@ -25,6 +25,8 @@ Metric names (label ``task``: the Dramatiq actor / Celery task name):
 ``singleton_tasks_woken_total``             wake copies published to gated waiters
 ``singleton_tasks_released_total``          runs settled that freed a slot or place in line
 ``singleton_tasks_rejected_total``          enqueues refused with ``SingletonQueueFullError``
+``singleton_tasks_dropped_total``           sends dropped by ``on_full="drop"``: their key was
+                                            full, nothing was published
 ``singleton_tasks_evicted_total``           orphaned holders evicted (labelled with the task
                                             whose store call evicted them: same scope)
 ``singleton_tasks_taken_over_total``        admissions over a holder whose lease lapsed
@@ -74,6 +76,9 @@ class SingletonMetrics:
         self.woken = counter("woken", "Wake copies published to gated waiters that now own a slot.")
         self.released = counter("released", "Singleton runs settled, freeing their slot or place in line.")
         self.rejected = counter("rejected", "Singleton enqueues rejected: the key's queue was full.")
+        self.dropped = counter(
+            "dropped", "Singleton sends dropped (on_full='drop'): the key's queue was full."
+        )
         self.evicted = counter("evicted", "Orphaned holders evicted after their lease lapsed.")
         self.taken_over = counter("taken_over", "Admissions that took over a holder whose lease lapsed.")
         self.reissued = counter(
@@ -212,6 +217,13 @@ def observe_rejected(task: str) -> None:
         metrics.of(metrics.rejected, task).inc()
 
 
+def observe_dropped(task: str) -> None:
+    """A send was dropped: its key was full and its task says ``on_full="drop"``."""
+    metrics = active()
+    if metrics is not None:
+        metrics.of(metrics.dropped, task).inc()
+
+
 def observe_evicted(task: str, count: int = 1) -> None:
     """``count`` orphaned holders were evicted by a store call made for ``task``."""
     metrics = active()
@@ -272,6 +284,7 @@ __all__ = [
     "observe_abandoned",
     "observe_admitted",
     "observe_claim",
+    "observe_dropped",
     "observe_evicted",
     "observe_gated",
     "observe_reissued",

@@ -225,7 +225,8 @@ class Gatekeeper:
         confirmed: bool = True,
         full_error: type[SingletonQueueFullError] = SingletonQueueFullError,
     ) -> RegisterOutcome:
-        """Enqueue: register a pending waiter or raise ``full_error`` (StoreUnavailableError passes).
+        """Enqueue: register a pending waiter; a full key raises ``full_error`` or, with
+        ``on_full="drop"``, returns the FULL outcome (nothing written). StoreUnavailableError passes.
 
         Arguments:
             bound: The task's declaration (its name goes into errors and metrics).
@@ -244,6 +245,15 @@ class Gatekeeper:
                 f"{bound.task_name} run {spec.run_id} (key {spec.key!r}) not enqueued: {error}"
             ) from error
         if outcome.status is Registered.FULL:
+            if bound.config.on_full == "drop":
+                metrics.observe_dropped(bound.task_name)
+                logger.info(
+                    "dropped %s run %s: key %r is full (on_full='drop')",
+                    bound.task_name,
+                    spec.run_id,
+                    spec.key,
+                )
+                return outcome
             metrics.observe_rejected(bound.task_name)
             logger.info("rejected %s run %s: key %r is full", bound.task_name, spec.run_id, spec.key)
             raise full_error(
@@ -254,6 +264,22 @@ class Gatekeeper:
                 max_queue_depth=spec.max_queue_depth,
             )
         return outcome
+
+    def newest_run(self, spec: RunSpec) -> str | None:
+        """The run id last in line for the run's key (its newest waiter, else its newest holder);
+        None when the key has no run, or the store cannot tell now. Read after the store answered
+        FULL, it may name a run that has finished since."""
+        try:
+            snapshots = self.store.snapshot(scope=spec.scope, key=spec.key)
+        except StoreUnavailableError as error:
+            logger.warning("run %s: could not read the line of key %r: %s", spec.run_id, spec.key, error)
+            return None
+        for snapshot in snapshots:
+            if snapshot.waiters:
+                return max(snapshot.waiters, key=lambda waiter: waiter.position).run_id
+            if snapshot.holders:
+                return max(snapshot.holders, key=lambda holder: holder.admitted_at).run_id
+        return None
 
     def confirm(self, spec: RunSpec) -> None:
         self.store.confirm(spec.scope, spec.key, spec.run_id)

@@ -29,6 +29,7 @@ from celery.result import AsyncResult
 from celery.worker import state as worker_state
 from conftest import StoreFactory, backend_params
 from marks import needs
+from prometheus_client import CollectorRegistry
 from services import require_executable
 
 from singleton_tasks import (
@@ -39,6 +40,7 @@ from singleton_tasks import (
     SingletonQueueFullError,
     StoreUnavailableError,
     current_admission,
+    metrics,
     singleton,
     store_from_url,
 )
@@ -291,6 +293,66 @@ def test_max_queue_depth_rejects_the_fourth_and_accepts_after_a_slot_frees(
         late = sync_inventory.delay("S", "r3")  # accepted again
         assert [r.get(interval=0.01, timeout=10) for r in [*accepted, late]] == ["r0", "r1", "r2", "r3"]
     assert journal.overlaps == []
+
+
+def test_on_full_drop_runs_the_first_limit_plus_depth_of_a_burst(store: Store, journal: Journal) -> None:
+    app = make_app(store)
+    registry = CollectorRegistry()
+    saved = (metrics._active, metrics._disabled)
+    metrics.install(registry)
+    name = unique()
+
+    @singleton(key="store:{store_id}", max_queue_depth=1, on_full="drop")
+    @app.task(name=name, shared=False)
+    def sync_inventory(store_id: str, label: str) -> str:
+        with journal.body(label, store_id):
+            time.sleep(0.05)
+        return label
+
+    try:
+        results = [sync_inventory.delay("S", f"r{i}") for i in range(6)]  # no worker: the line fills
+        dropped = registry.get_sample_value("singleton_tasks_dropped_total", {"task": name})
+    finally:
+        metrics._active, metrics._disabled = saved
+    assert dropped == 4
+    assert queued(app) == 2  # nothing published for the dropped sends
+    accepted = results[:2]
+    assert runs_of(store) == [r.id for r in accepted]  # nothing registered for them either
+    # A dropped send returns the result of the run last in line for its key.
+    assert all(isinstance(r, AsyncResult) and r.id == accepted[1].id for r in results[2:])
+    with worker(app):
+        assert [r.get(interval=0.01, timeout=10) for r in results] == ["r0", "r1", "r1", "r1", "r1", "r1"]
+        wait_for(lambda: runs_of(store) == [], what="the key to empty")
+        last = sync_inventory.delay("S", "r6")  # accepted again
+        assert last.get(interval=0.01, timeout=10) == "r6"
+    assert journal.labels() == ["r0", "r1", "r6"] and journal.overlaps == []
+
+
+def test_on_full_drop_while_the_key_only_has_holders_returns_the_newest_holders_result(
+    store: Store, journal: Journal
+) -> None:
+    app = make_app(store)
+    gate_open = threading.Event()
+
+    @app.task(
+        base=SingletonTask,
+        singleton={"key": "{store_id}", "max_queue_depth": 0, "on_full": "drop"},
+        name=unique(),
+        shared=False,
+    )
+    def sync_inventory(store_id: str, label: str) -> str:
+        with journal.body(label, store_id):
+            assert gate_open.wait(10)
+        return label
+
+    with worker(app):
+        first = sync_inventory.delay("S", "r0")
+        wait_for(lambda: bool(journal.get("r0")), what="r0 to start")
+        again = sync_inventory.delay("S", "r1")
+        assert again.id == first.id
+        gate_open.set()
+        assert again.get(interval=0.01, timeout=10) == "r0"
+    assert journal.labels() == ["r0"]
 
 
 # -- notify on release (docs/concepts.md#handoff) --------------------------------------------------

@@ -88,6 +88,23 @@ def test_dict_form_names_the_task() -> None:
     assert SingletonConfig.coerce({"key": "k", "limit": 2}, task_name="t").limit == 2
 
 
+@pytest.mark.parametrize("on_full", ["replace", "Drop", "", None, True, 0])
+def test_on_full_is_raise_or_drop_and_a_bad_value_names_the_task(on_full: Any) -> None:
+    with pytest.raises(SingletonConfigError, match=rf"tasks\.sync: singleton on_full .* got {on_full!r}"):
+        SingletonConfig.coerce({"key": "k", "max_queue_depth": 1, "on_full": on_full}, task_name="tasks.sync")
+    with pytest.raises(SingletonConfigError, match=rf"bad_on_full: singleton on_full .* got {on_full!r}"):
+
+        @singleton(key="k", max_queue_depth=1, on_full=on_full)
+        def bad_on_full() -> None: ...
+
+
+def test_on_full_defaults_to_raise_and_drop_needs_a_max_queue_depth() -> None:
+    assert SingletonConfig(key="k").on_full == "raise"
+    assert SingletonConfig(key="k", max_queue_depth=0, on_full="drop").on_full == "drop"
+    with pytest.raises(SingletonConfigError, match=r"tasks\.sync: .*on_full='drop' needs a max_queue_depth"):
+        SingletonConfig.coerce({"key": "k", "on_full": "drop"}, task_name="tasks.sync")
+
+
 # ---------------------------------------------------------------------------- templates at declaration
 
 

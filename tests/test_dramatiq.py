@@ -23,6 +23,7 @@ from dramatiq.middleware import AgeLimit, MiddlewareError
 from dramatiq.results import ResultMissing, Results
 from dramatiq.results.backends import StubBackend
 from marks import needs
+from prometheus_client import CollectorRegistry
 from services import reachable, require_executable, require_server, unavailable
 
 from singleton_tasks import (
@@ -34,6 +35,7 @@ from singleton_tasks import (
     Store,
     StoreUnavailableError,
     current_admission,
+    metrics,
     singleton,
     store_from_url,
 )
@@ -359,6 +361,34 @@ def test_max_queue_depth_rejects_the_fourth_send(make_env: Callable[..., Env]) -
     assert env.journal.started().count("r4") == 0
     assert [x for x in env.journal.started() if x.startswith("r")] == ["r1", "r2", "r3", "r5"]
     assert env.keys() == []
+
+
+def test_on_full_drop_runs_the_first_limit_plus_depth_of_a_burst(make_env: Callable[..., Env]) -> None:
+    registry = CollectorRegistry()
+    saved = (metrics._active, metrics._disabled)
+    metrics.install(registry)
+    try:
+        env = make_env()
+        job = env.job(singleton={"key": "{key}", "max_queue_depth": 1, "on_full": "drop"})
+        burst = [job.send("A", f"d{i}") for i in range(6)]  # no worker yet: the line fills up
+        direct = env.broker.enqueue(job.message("A", "direct"))  # every way to send drops alike
+        dramatiq.group([job.message("A", "g1"), job.message("A", "g2")]).run()
+        dropped = registry.get_sample_value("singleton_tasks_dropped_total", {"task": "job"})
+    finally:
+        metrics._active, metrics._disabled = saved
+    assert all(isinstance(message, dramatiq.Message) for message in [*burst, direct])
+    assert env.probe.labels_published() == {"d0", "d1"}  # the others were never published
+    (snap,) = env.keys()
+    assert [w.run_id for w in snap.waiters] == [burst[0].message_id, burst[1].message_id]
+    assert not snap.holders  # nothing registered for the dropped sends
+    assert dropped == 4 + 1 + 2
+    env.start()
+    env.join()
+    assert sorted(env.journal.started()) == ["d0", "d1"]
+    assert env.keys() == []
+    job.send("A", "after")  # the key emptied: accepted again
+    env.join()
+    assert env.journal.started()[-1] == "after"
 
 
 # -- notify on release -----------------------------------------------------------------------

@@ -210,6 +210,42 @@ def test_dramatiq_2_every_send_builds_through_message_with_options() -> None:
     assert broker.queues[guarded.queue_name].qsize() == 0
 
 
+def test_dramatiq_9_a_send_refused_in_before_enqueue_is_caught_around_enqueue() -> None:
+    from dramatiq.brokers.rabbitmq import RabbitmqBroker
+    from dramatiq.brokers.redis import RedisBroker
+    from dramatiq.middleware import MiddlewareError
+
+    for kind in (StubBroker, RedisBroker, RabbitmqBroker):
+        parameters = inspect.signature(kind.enqueue).parameters
+        assert list(parameters) == ["self", "message", "delay"], kind
+        assert parameters["delay"].kind is inspect.Parameter.KEYWORD_ONLY, kind
+
+    class Refused(MiddlewareError):
+        pass
+
+    class Refuse(dramatiq.Middleware):
+        def before_enqueue(self, broker: Any, message: Any, delay: Any) -> None:
+            raise Refused("refused")
+
+    broker = StubBroker()
+    broker.add_middleware(Refuse())
+
+    @dramatiq.actor(broker=broker)
+    def refused(x: int) -> None: ...
+
+    with pytest.raises(Refused):
+        refused.send(1)  # Dramatiq lets a MiddlewareError out of enqueue
+    dramatiq_internals.return_dropped_sends(broker, Refused)
+    dramatiq_internals.return_dropped_sends(broker, Refused)  # once per broker
+    message = refused.message(2)
+    assert broker.enqueue(message) is message
+    assert refused.send(3).args == (3,)
+    assert refused.send_with_options(args=(4,), delay=10).args == (4,)
+    dramatiq.group([refused.message(5)]).run()
+    assert broker.queues[refused.queue_name].qsize() == 0  # nothing published
+    assert broker.queues[f"{refused.queue_name}.DQ"].qsize() == 0
+
+
 def test_dramatiq_4_a_delayed_copy_is_woken_on_its_own_queue_without_its_delay() -> None:
     broker = StubBroker()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import sqlite3
 import time
@@ -16,12 +17,13 @@ from singleton_tasks import (
     SchemaVersionError,
     SingletonConfig,
     SingletonConfigError,
+    SingletonQueueFullError,
     StoreUnavailableError,
     heartbeat,
     store_from_url,
 )
 from singleton_tasks.config import BoundSingleton
-from singleton_tasks.outcomes import Decision, HolderRef, RunSpec
+from singleton_tasks.outcomes import Decision, HolderRef, KeySnapshot, Registered, RunSpec
 from singleton_tasks.runtime import Gatekeeper, WorkerOptions
 from singleton_tasks.stores import SCHEMA_VERSION, RuleStore, Store, store_classes
 from singleton_tasks.stores._sql import SQLStore
@@ -322,3 +324,31 @@ def test_a_lost_slot_error_names_task_key_run_and_token(caplog: pytest.LogCaptur
     for part in ("tasks.build_report", "'customer-8'", "run-retried", f"token {token}"):
         assert part in line, line
     gatekeeper.close()
+
+
+class _SnapshotFails(MemoryStore):
+    def snapshot(self, *, scope: str | None = None, key: str | None = None) -> list[KeySnapshot]:
+        raise StoreUnavailableError("snapshot refused on purpose")
+
+
+def test_a_dropped_send_is_counted_logged_and_names_the_run_last_in_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    gatekeeper = Gatekeeper(store_from_url(memory()))
+    drop = bound(max_queue_depth=1, on_full="drop")
+    spec = RunSpec("tasks.t", "k", "", max_queue_depth=1)
+    runs = [dataclasses.replace(spec, run_id=f"r{i}") for i in range(3)]
+    for run in runs[:2]:
+        assert gatekeeper.register(drop, run).status is Registered.REGISTERED
+    with caplog.at_level(logging.INFO, logger="singleton_tasks"):
+        assert gatekeeper.register(drop, runs[2]).status is Registered.FULL  # no error
+    assert "dropped tasks.t run r2: key 'k' is full" in caplog.text
+    assert gatekeeper.newest_run(runs[2]) == "r1"  # the newest waiter
+    with pytest.raises(SingletonQueueFullError):
+        gatekeeper.register(bound(max_queue_depth=1), runs[2])  # on_full="raise"
+    assert gatekeeper.store.claim(runs[0], 0, None).decision is Decision.ADMITTED
+    gatekeeper.unregister(runs[1])
+    assert gatekeeper.newest_run(runs[2]) == "r0"  # no waiter: the newest holder
+    gatekeeper.store.release("tasks.t", "k", "r0", token=gatekeeper.store.snapshot()[0].holders[0].token)
+    assert gatekeeper.newest_run(runs[2]) is None  # the key emptied
+    assert Gatekeeper(_SnapshotFails()).newest_run(runs[2]) is None  # the store cannot tell now

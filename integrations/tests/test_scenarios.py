@@ -739,3 +739,33 @@ def test_unencodable_argument_raises_and_leaves_nothing(
     assert h.log.deliveries(h.settings.run, bad.run_id) == [], "the failed send was published"
     assert h.log.bodies(h.settings.run, bad.run_id) == []
     h.check()
+
+
+# -- 12. on_full="drop" ------------------------------------------------------------------------------
+@pytest.mark.timeout(120)
+def test_a_burst_over_the_cap_runs_the_first_limit_plus_depth_and_drops_the_rest(
+    harness: Callable[..., Harness], framework: str, broker: str
+) -> None:
+    """Task ``coalesced`` (limit 1, ``max_queue_depth=1``, ``on_full="drop"``): a burst of 12 sends with
+    no worker raises nothing; exactly the first two are registered, the others publish nothing and
+    leave nothing; a worker then runs exactly those two, in order."""
+    limit, depth = SINGLETON_TASKS["coalesced"]
+    assert depth is not None
+    h = harness("drop", framework, broker, "redis")
+    sends = [h.producer.send("coalesced", "D", duration=0.2, item=i) for i in range(12)]
+    assert all(r.accepted for r in sends), "a dropped send raised"
+    (snap,) = store_snapshots(h.settings.store_url, h.settings.namespace)
+    kept = [r.run_id for r in sends[: limit + depth]]
+    assert [w.run_id for w in snap.waiters] == kept and not snap.holders
+    dropped = {r.run_id for r in sends[limit + depth :]}
+    h.producer.mark_dropped(dropped)
+    if framework == "celery":  # the result of the run last in line
+        assert {h.producer.returned[run_id].id for run_id in dropped} == {kept[-1]}  # type: ignore[attr-defined]
+    h.workers.start(1)
+    wait_all_completed(h.log, h.settings.run, kept, timeout=60, workers=h.workers)
+    assert ran_once_in_line(h, kept)
+    time.sleep(1.0)  # a published copy of a dropped send would have been delivered by now
+    assert not any(h.log.deliveries(h.settings.run, run_id) for run_id in dropped), (
+        "a dropped send was published"
+    )
+    h.check()

@@ -174,6 +174,10 @@ class SingletonTask(Task):  # type: ignore[misc]
         )
         if outcome is None:  # registered at its first delivery (docs/concepts.md#what-other-deliveries-see)
             return publish(run_id)
+        if outcome.status is Registered.FULL:
+            # on_full="drop": nothing was registered or published. The caller gets the result of
+            # the run last in line for the key, which runs after this send (docs/celery.md).
+            return self.AsyncResult(gatekeeper.newest_run(spec) or run_id)
         if outcome.status is Registered.EXISTS:
             logger.info("%s run %s is already registered: not published again", self.name, run_id)
             return self.AsyncResult(run_id)

@@ -3,9 +3,10 @@
 The rules live in the store and the shared worker logic in :class:`~singleton_tasks.runtime.Gatekeeper`;
 the middleware only maps Dramatiq's hooks onto them:
 
-- ``before_enqueue`` registers a new run (the backlog cap raises here), ``after_enqueue`` hands its confirm
-  to the process's confirm thread (batched, off the caller's thread); re-publishes of a known run
-  (retries, delay-queue moves, deferrals, wakes) carry its generation and pass through untouched.
+- ``before_enqueue`` registers a new run (the backlog cap raises here, or drops the send),
+  ``after_enqueue`` hands its confirm to the process's confirm thread (batched, off the caller's
+  thread); re-publishes of a known run (retries, delay-queue moves, deferrals, wakes) carry its
+  generation and pass through untouched.
 - ``before_process_message`` claims a slot; a denied delivery is deferred as a delayed copy and skipped
   (acked, not failed, retries untouched, Results kept away).
 - ``before_ack`` / ``before_nack`` settle: a retry of the delivery seen on this thread (Retries' enqueue
@@ -50,6 +51,7 @@ from ._declaration import OPTION, adopt_declared_actor, bound_for, bound_of, des
 from ._errors import (
     ConfigError,
     DeferralFailed,
+    Dropped,
     InvalidKey,
     KeyFailed,
     PayloadError,
@@ -65,6 +67,7 @@ from ._internals import (
     keep_results_away,
     names_as_continuation,
     on_consumer_thread,
+    return_dropped_sends,
 )
 from ._payload import DEAD_GENERATION, GENERATION, WOKEN_AT, generation_of, wake_message
 
@@ -164,6 +167,7 @@ class SingletonMiddleware(dramatiq.Middleware):
             adopt_declared_actor(actor)
         except core.SingletonConfigError as error:
             raise ConfigError(str(error)) from error
+        return_dropped_sends(broker, Dropped)  # on_full="drop": see _internals (9.)
 
     def after_declare_actor(self, broker: Broker, actor: dramatiq.Actor[Any, Any]) -> None:
         """Adopt a marked actor declared before this middleware was added to its broker."""
@@ -255,6 +259,9 @@ class SingletonMiddleware(dramatiq.Middleware):
                     lambda: self.gatekeeper.unregister(spec), f"undoing the registration of run {spec.run_id}"
                 )
             raise for_sender(error) from error
+        if outcome.status is Registered.FULL:
+            # on_full="drop": nothing registered; the broker's enqueue returns the message unsent.
+            raise Dropped(f"{bound.task_name} run {spec.run_id} dropped: key {spec.key!r} is full")
         if outcome.status is Registered.EXISTS:
             # A start of a run id that is already in line: this copy is dropped at the gate
             # (docs/concepts.md#keys-vs-run-ids).

@@ -43,6 +43,12 @@ class SchemaError(core.SchemaVersionError, MiddlewareError):
     """The store's schema is missing or incompatible: the worker refuses to start, ``.send()`` raises."""
 
 
+class Dropped(MiddlewareError):
+    """A send dropped by ``on_full="drop"``: nothing registered or published. Raised out of
+    ``before_enqueue`` to stop the publish, it never leaves the broker's ``enqueue``
+    (:func:`._internals.return_dropped_sends`), which returns the message unsent instead."""
+
+
 class DeferralFailed(MiddlewareError):
     """The deferred copy could not be published: the delivery fails instead of being lost."""
 

@@ -28,6 +28,11 @@ fails when an upgrade changes one of them. Each is needed because Dramatiq offer
 8. A pipeline step's message names the next step in ``options["pipe_target"]``, and a group
    member's message its completion callbacks in ``options["group_completion_callbacks"]`` (both
    message dicts with a ``message_id``): enqueued after its body, they continue accepted work.
+9. ``Broker.enqueue`` publishes unless a ``before_enqueue`` hook raises a ``MiddlewareError``,
+   which it re-raises to the caller. A send dropped by ``on_full="drop"`` must publish nothing
+   and raise nothing, so ``enqueue`` is wrapped on the broker instance: the wrapper returns the
+   message of a dropped send instead of raising (every send goes through it: ``Actor.send``,
+   ``group``, ``pipeline``, a direct ``broker.enqueue``).
 """
 
 from __future__ import annotations
@@ -88,6 +93,23 @@ def guard_message_building(actor: dramatiq.Actor[Any, Any], check: Callable[[], 
 
     message_with_options._singleton_guard = True  # type: ignore[attr-defined]
     actor.message_with_options = message_with_options  # type: ignore[method-assign]
+
+
+def return_dropped_sends(broker: Broker, dropped: type[Exception]) -> None:
+    """Make ``broker.enqueue`` return the message of a send its hooks dropped (raised ``dropped``)
+    instead of raising (9.)."""
+    enqueue = broker.enqueue
+    if getattr(enqueue, "_singleton_drops", False):
+        return
+
+    def enqueue_or_drop(message: Message[Any], *, delay: int | None = None) -> Message[Any]:
+        try:
+            return enqueue(message, delay=delay)
+        except dropped:
+            return message
+
+    enqueue_or_drop._singleton_drops = True  # type: ignore[attr-defined]
+    broker.enqueue = enqueue_or_drop  # type: ignore[method-assign]
 
 
 def rabbitmq(broker: Broker) -> RabbitmqBroker | None:
