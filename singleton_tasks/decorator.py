@@ -131,6 +131,13 @@ class _Adoption:
         )
 
 
+def marked_config(function: object) -> BoundSingleton | None:
+    """The config ``@singleton`` put on ``function`` (a task's body), adopted or not; None if it has none."""
+    function = getattr(function, "__func__", function)  # a bound method (Celery's bind=True)
+    state = getattr(function, "__singleton_adoption__", None)
+    return state.bound if isinstance(state, _Adoption) else None
+
+
 def adopt(function: object) -> BoundSingleton | None:
     """The config ``@singleton`` put on ``function`` (a task's body), now adopted; None if it has none."""
     function = getattr(function, "__func__", function)  # a bound method (Celery's bind=True)

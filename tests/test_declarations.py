@@ -32,6 +32,7 @@ from singleton_tasks import SingletonConfigError, current_admission, singleton
 from singleton_tasks.celery import SingletonTask, install
 from singleton_tasks.cli import cli
 from singleton_tasks.dramatiq import SingletonMiddleware
+from singleton_tasks.dramatiq import _internals as dramatiq_internals
 
 WAIT = 15.0
 
@@ -159,6 +160,69 @@ def test_dramatiq_declarations_are_singletons(
             check_story(url, namespace, bodies, lambda label: actor.send("A", label).message_id, results)
     finally:
         worker.stop()
+
+
+def declare_actor(order: str, broker: StubBroker, name: str, body: Callable[..., Any]) -> Any:
+    """``@singleton`` written above (``above``) or under (``below``) ``@dramatiq.actor``."""
+    body.__name__ = body.__qualname__ = name
+    declare = singleton(key="acct:{account}")
+    if order == "above":
+        return declare(dramatiq.actor(body, broker=broker, actor_name=name))
+    return dramatiq.actor(declare(body), broker=broker, actor_name=name)
+
+
+@pytest.mark.parametrize("order", ["above", "below"])
+def test_dramatiq_a_singleton_on_a_broker_without_the_middleware_refuses_the_first_send(order: str) -> None:
+    """Either order, the middleware forgotten: ``.send()`` raises and publishes nothing (issue 28)."""
+    broker = StubBroker()
+    name = f"forgotten_{uuid.uuid4().hex[:8]}"
+    actor = declare_actor(order, broker, name, lambda account: None)
+    expected = (
+        f"{name} is a singleton actor but its broker has no SingletonMiddleware: "
+        "add broker.add_middleware(SingletonMiddleware(...)) before importing actor modules; "
+        "nothing was sent"
+    )
+    sends = [
+        lambda: actor.send("A"),
+        lambda: actor.send_with_options(args=("A",)),
+        lambda: actor.message("A"),
+    ]
+    for send in sends:
+        with pytest.raises(SingletonConfigError) as raised:
+            send()
+        assert str(raised.value) == expected
+    assert broker.queues[actor.queue_name].qsize() == 0
+    broker.close()
+
+
+@pytest.mark.parametrize("order", ["above", "below"])
+def test_dramatiq_a_singleton_with_the_middleware_sends_in_either_order(order: str, tmp_path: Path) -> None:
+    broker = StubBroker()
+    namespace = f"sent{uuid.uuid4().hex[:8]}"
+    url = f"sqlite:///{tmp_path / 'sent.db'}"
+    broker.add_middleware(SingletonMiddleware(url, namespace=namespace, **FAST))
+    name = f"sent_{uuid.uuid4().hex[:8]}"
+    actor = declare_actor(order, broker, name, lambda account: None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sent = [actor.send("A").message_id for _ in range(2)]
+    assert broker.queues[actor.queue_name].qsize() == 2
+    assert inspected(url, namespace) == {"acct:A": ([], sent)}
+    # Checked once: the actor's own attribute, the original method, hides the checking one.
+    assert getattr(actor.__dict__["message_with_options"], dramatiq_internals.GUARD)
+    broker.close()
+
+
+def test_dramatiq_an_actor_sent_before_it_became_a_singleton_is_checked_again() -> None:
+    broker = StubBroker()
+    name = f"late_{uuid.uuid4().hex[:8]}"
+    actor = dramatiq.actor(lambda account: None, broker=broker, actor_name=name)
+    actor.send("A")  # a plain actor: passes, and is not checked again
+    singleton(key="acct:{account}")(actor)
+    with pytest.raises(SingletonConfigError, match=f"{name} is a singleton actor but its broker has no"):
+        actor.send("A")
+    assert broker.queues[actor.queue_name].qsize() == 1
+    broker.close()
 
 
 def test_dramatiq_a_singleton_declared_twice_is_refused() -> None:

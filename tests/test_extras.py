@@ -197,3 +197,18 @@ def test_the_readmes_two_commands_work_with_the_pip_of_a_fresh_venv(tmp_path: Pa
     assert listed.returncode == 0, listed.stdout + listed.stderr
     assert "dependency_groups = test" in listed.stdout, listed.stdout
     assert ".tox/.tox" not in listed.stdout + listed.stderr  # not provisioned
+
+
+def test_the_dramatiq_rabbitmq_extra_installs_what_rabbitmq_broker_imports(
+    tmp_path_factory: pytest.TempPathFactory, wheel: Path
+) -> None:
+    """``dramatiq`` alone lacks pika: a worker on RabbitMQ dies on import; ``dramatiq-rabbitmq`` has it."""
+    env = Env(tmp_path_factory.mktemp("dramatiq-only"), wheel, "dramatiq")
+    code = (
+        "from dramatiq.brokers.rabbitmq import RabbitmqBroker\nimport singleton_tasks.dramatiq\nprint('ok')"
+    )
+    before = env.run(code=code)
+    assert before.returncode == 1 and "No module named 'pika'" in before.stderr, before.stderr
+    _pip("--python", str(env.python), "install", "--quiet", f"{wheel}[dramatiq-rabbitmq]")
+    after = env.run(code=code)
+    assert after.returncode == 0 and after.stdout.strip() == "ok", after.stderr

@@ -190,18 +190,20 @@ def test_dramatiq_1_the_worker_logs_skips_in_the_filtered_format(caplog: pytest.
 
 
 def test_dramatiq_2_every_send_builds_through_message_with_options() -> None:
+    """Every way to send looks the method up on the actor: an instance attribute hides the class's."""
     broker = StubBroker()
 
     @dramatiq.actor(broker=broker)
     def guarded(x: int) -> None: ...
 
+    assert getattr(dramatiq.Actor.message_with_options, dramatiq_internals.GUARD, False)  # the adapter's
     calls: list[str] = []
 
-    def refuse() -> None:
+    def refuse(**options: object) -> None:
         calls.append("check")
         raise RuntimeError("refused")
 
-    dramatiq_internals.guard_message_building(guarded, refuse)
+    guarded.message_with_options = refuse  # type: ignore[method-assign]
     sends = (lambda: guarded.send(1), lambda: guarded.send_with_options(args=(1,)), lambda: guarded.message())
     for send in sends:
         with pytest.raises(RuntimeError, match="refused"):

@@ -19,6 +19,7 @@ The declarations are read in :mod:`._declaration`, the copies' options and wake 
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Sequence
@@ -47,7 +48,14 @@ from ..decorator import TaskDescription, register_describer
 from ..outcomes import Decision, Registered, RunSpec, Wake
 from ..runtime import Gatekeeper
 from ..stores import Store, redact_url
-from ._declaration import OPTION, adopt_declared_actor, bound_for, bound_of, describe_actor
+from ._declaration import (
+    OPTION,
+    adopt_declared_actor,
+    bound_for,
+    bound_of,
+    describe_actor,
+    require_middleware,
+)
 from ._errors import (
     ConfigError,
     DeferralFailed,
@@ -64,6 +72,7 @@ from ._internals import (
     QuietSkips,
     connect_publishing_thread,
     fetch_for_this_worker,
+    guard_message_building,
     keep_results_away,
     names_as_continuation,
     on_consumer_thread,
@@ -499,7 +508,11 @@ def _has_middleware(broker: Broker) -> bool:
 @register_describer
 def describe_dramatiq_actor(task: object) -> TaskDescription | None:
     """Teach ``@singleton`` Dramatiq actors (see :mod:`._declaration`)."""
-    return describe_actor(task, has_middleware=_has_middleware)
+    return describe_actor(task)
+
+
+# Every actor's first message checks that a singleton actor's broker has the middleware.
+guard_message_building(functools.partial(require_middleware, has_middleware=_has_middleware))
 
 
 __all__ = [

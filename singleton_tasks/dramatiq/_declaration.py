@@ -17,9 +17,16 @@ from typing import TYPE_CHECKING, Any
 import dramatiq
 
 from ..config import BoundSingleton, SingletonConfig
-from ..decorator import TaskDescription, adopt, declared_twice, resolve_declaration, signature_of
+from ..decorator import (
+    TaskDescription,
+    adopt,
+    declared_twice,
+    marked_config,
+    resolve_declaration,
+    signature_of,
+)
 from ..errors import SingletonConfigError
-from ._internals import guard_message_building
+from ._internals import check_again
 
 if TYPE_CHECKING:
     from dramatiq.broker import Broker
@@ -68,11 +75,8 @@ def _bind(actor: dramatiq.Actor[Any, Any], config: SingletonConfig) -> BoundSing
 
 
 # -- @singleton on a Dramatiq actor -------------------------------------------------------------
-def describe_actor(task: object, *, has_middleware: Callable[[Broker], bool]) -> TaskDescription | None:
-    """Teach ``@singleton`` Dramatiq actors: the config goes into the actor's ``singleton`` option.
-
-    ``has_middleware`` tells whether a broker gates singleton actors (has ``SingletonMiddleware``).
-    """
+def describe_actor(task: object) -> TaskDescription | None:
+    """Teach ``@singleton`` Dramatiq actors: the config goes into the actor's ``singleton`` option."""
     # type(), not isinstance(): isinstance would evaluate a Celery PromiseProxy (finalizing its app).
     if not issubclass(type(task), dramatiq.Actor):
         return None
@@ -82,21 +86,24 @@ def describe_actor(task: object, *, has_middleware: Callable[[Broker], bool]) ->
         if actor.options.get(OPTION) is not None:
             raise declared_twice(actor.actor_name)
         actor.options[OPTION] = bound
-        _require_middleware(actor, has_middleware)
+        check_again(actor)  # a singleton now: its next message checks for the middleware
         return actor
 
     return TaskDescription(actor.actor_name, signature_of(actor.fn), attach)
 
 
-def _require_middleware(actor: dramatiq.Actor[Any, Any], has_middleware: Callable[[Broker], bool]) -> None:
-    """Make building a message of the actor fail while its broker lacks the middleware."""
+def require_middleware(actor: dramatiq.Actor[Any, Any], *, has_middleware: Callable[[Broker], bool]) -> None:
+    """Refuse to build a message of a singleton actor whose broker lacks the middleware.
 
-    def check() -> None:
-        if not has_middleware(actor.broker):
-            raise SingletonConfigError(
-                f"{actor.actor_name} is a singleton actor but its broker has no SingletonMiddleware: "
-                "add broker.add_middleware(SingletonMiddleware(...)) before importing actor modules; "
-                "nothing was sent"
-            )
-
-    guard_message_building(actor, check)
+    A singleton either way: its ``singleton`` option is set (the option, or ``@singleton``
+    written above ``@dramatiq.actor``), or its function is marked by ``@singleton`` written
+    under ``@dramatiq.actor`` (adopted only by a broker with the middleware). ``has_middleware``
+    tells whether a broker gates singleton actors (has ``SingletonMiddleware``).
+    """
+    declared = actor.options.get(OPTION) is not None or marked_config(actor.fn) is not None
+    if declared and not has_middleware(actor.broker):
+        raise SingletonConfigError(
+            f"{actor.actor_name} is a singleton actor but its broker has no SingletonMiddleware: "
+            "add broker.add_middleware(SingletonMiddleware(...)) before importing actor modules; "
+            "nothing was sent"
+        )

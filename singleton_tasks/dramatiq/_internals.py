@@ -7,8 +7,10 @@ fails when an upgrade changes one of them. Each is needed because Dramatiq offer
    ``dramatiq.worker.WorkerThread``: one warning per waiter per re-check is noise, so a log
    filter drops it for the deferrals of the gate (and for nothing else).
 2. ``Actor.message_with_options`` builds every message of an actor (``send``,
-   ``send_with_options``, ``message``): it is wrapped on the actor instance so that a
-   singleton actor whose broker lacks the middleware refuses to build one.
+   ``send_with_options``, ``message``), looked up on the actor: it is replaced on the ``Actor``
+   class so that a singleton actor whose broker lacks the middleware refuses to build one,
+   however it was declared; an actor that passed the check once gets the original method as an
+   instance attribute, which hides the class's, so its later messages skip the check.
 3. ``RabbitmqBroker.channel`` connects the calling thread on first access; ``max_priority`` is
    the broker's ``x-max-priority`` setting and ``broker_priority`` the option that uses it.
 4. A delivery from a delay queue (``<queue>.DQ``) carries the options ``eta`` and, on Redis,
@@ -38,6 +40,7 @@ fails when an upgrade changes one of them. Each is needed because Dramatiq offer
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import sys
 import threading
@@ -79,20 +82,45 @@ class QuietSkips(logging.Filter):
         logging.getLogger(WORKER_LOGGER).removeFilter(self)
 
 
-def guard_message_building(actor: dramatiq.Actor[Any, Any], check: Callable[[], None]) -> None:
-    """Run ``check()`` (which raises to refuse) before the actor builds any message (2.)."""
-    build = actor.message_with_options
-    if getattr(build, "_singleton_guard", False):
+#: Marks the checking ``message_with_options`` (on the class) and an actor's checked copy (2.).
+GUARD = "_singleton_guard"
+
+
+def guard_message_building(check: Callable[[dramatiq.Actor[Any, Any]], None]) -> None:
+    """Run ``check(actor)`` (which raises to refuse) before an actor builds its first message (2.).
+
+    Once ``check`` passes for an actor, the actor builds its messages with the original method,
+    without the check: :func:`check_again` undoes that when its declaration changes.
+    """
+    build = dramatiq.Actor.message_with_options
+    if getattr(build, GUARD, False):
         return
 
     def message_with_options(
-        *, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None, **options: Any
+        self: dramatiq.Actor[Any, Any],
+        *,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        **options: Any,
     ) -> Any:
-        check()
-        return build(args=args, kwargs=kwargs, **options)
+        check(self)
+        # A subclass that overrides the method and calls this one keeps being checked: caching
+        # the original on the instance would hide its override.
+        if type(self).message_with_options is message_with_options:
+            checked = functools.partial(build, self)
+            setattr(checked, GUARD, True)
+            self.message_with_options = checked  # type: ignore[method-assign]
+        return build(self, args=args, kwargs=kwargs, **options)
 
-    message_with_options._singleton_guard = True  # type: ignore[attr-defined]
-    actor.message_with_options = message_with_options  # type: ignore[method-assign]
+    setattr(message_with_options, GUARD, True)
+    functools.update_wrapper(message_with_options, build)
+    dramatiq.Actor.message_with_options = message_with_options  # type: ignore[method-assign]
+
+
+def check_again(actor: dramatiq.Actor[Any, Any]) -> None:
+    """Make the actor's next message pass the check of :func:`guard_message_building` again (2.)."""
+    if getattr(actor.__dict__.get("message_with_options"), GUARD, False):
+        del actor.message_with_options
 
 
 def return_dropped_sends(broker: Broker, dropped: type[Exception]) -> None:
