@@ -11,8 +11,6 @@ upgrade that rewords one fails that test, not a store in production.
 
 from __future__ import annotations
 
-import inspect
-import weakref
 from collections.abc import Callable
 from types import TracebackType
 from typing import NoReturn
@@ -91,8 +89,11 @@ class TranslatedErrors:
     """A context manager: an error of ``errors`` raised inside goes to ``fail``, which raises the
     library's error (an unreachable server: :class:`~singleton_tasks.errors.StoreUnavailableError`).
 
-    One object per store serves every call and thread (it keeps no state); a class rather than a
-    generator-based context manager because it sits on every operation's path.
+    It keeps no state beyond its two arguments; a class rather than a generator-based context
+    manager because it sits on every operation's path. ``fail`` is held strongly: an object
+    that keeps one as an attribute with its own method as ``fail`` is in a reference cycle, and
+    a store must not be (``tests/test_store_lifetime.py``): make it per use, or give ``fail``
+    the values it needs rather than the store.
     """
 
     __slots__ = ("_errors", "_fail")
@@ -101,13 +102,7 @@ class TranslatedErrors:
         self, errors: tuple[type[BaseException], ...], fail: Callable[[BaseException], NoReturn]
     ) -> None:
         self._errors = errors
-        #: ``fail``, held weakly when it is a method of the object that keeps this one: that
-        #: object (a store) stays out of a reference cycle, so it is freed when its last
-        #: reference goes, never by the garbage collector at an arbitrary point (a Redis client
-        #: closed from there, or at interpreter exit, can block forever on its pool's lock).
-        self._fail: Callable[[], Callable[[BaseException], NoReturn] | None] = (
-            weakref.WeakMethod(fail) if inspect.ismethod(fail) else lambda: fail
-        )
+        self._fail = fail
 
     def __enter__(self) -> None:
         return None
@@ -119,9 +114,7 @@ class TranslatedErrors:
         traceback: TracebackType | None,
     ) -> None:
         if error is not None and isinstance(error, self._errors):
-            fail = self._fail()
-            if fail is not None:  # None: its store is gone, the error goes up untranslated
-                fail(error)
+            self._fail(error)
 
 
 def scrub_password(detail: str, url: str) -> str:

@@ -68,8 +68,26 @@ class RedisPlumbing(Store):
         #: Raised when the pinned connections must connect again (the Sentinel store: a
         #: failover); each thread compares it with its connection's before every call.
         self._primary_generation = 0
-        #: ``with self._errors:`` turns a driver error into the library's (:meth:`_fail`).
-        self._errors = TranslatedErrors((redis.exceptions.RedisError,), self._fail)
+
+    @property
+    def _errors(self) -> TranslatedErrors:
+        """``with self._errors:`` turns a driver error into the library's (:meth:`_fail`).
+
+        Made per use: kept as an attribute, it would hold the store's own method and put the
+        store in a reference cycle. The collector would then free its client at an arbitrary
+        point or at interpreter exit, where redis-py's ``Redis.__del__`` can block for ever on
+        its pool's lock (a producer process that never exits).
+        """
+        return TranslatedErrors((redis.exceptions.RedisError,), self._fail)
+
+    def _servers(self) -> list[redis.Redis]:
+        """*Hook.* The servers whose eviction policy and replicas are checked (a cluster: every primary)."""
+        return [self._client]
+
+    def _check_servers(self) -> None:
+        """The server checks, before this store's first operation (:meth:`ServerChecks.check_once`)."""
+        if not self._server_checks.checked:
+            self._server_checks.check_once(self._servers, self._errors)
 
     def _fail(self, error: BaseException) -> NoReturn:
         if redis_script_denied(error):
@@ -183,7 +201,7 @@ class RedisPlumbing(Store):
                 # connect() asks the sentinels; a command's own reconnect would go back to the old host.
                 connection.connect()  # type: ignore[no-untyped-call]
         else:
-            self._server_checks.check_once()
+            self._check_servers()
             client = redis.Redis(connection_pool=self._client.connection_pool, single_connection_client=True)
             threads.client, threads.pid = client, os.getpid()
         threads.generation = generation

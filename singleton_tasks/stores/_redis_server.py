@@ -8,10 +8,8 @@ command the ACL refused a script.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import threading
-import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -51,31 +49,6 @@ def eviction_policy(client: redis.Redis) -> str | None:
     return None if policy is None else _as_str(policy)
 
 
-class _Named:
-    """Shows as the text it was given (``%r`` and ``!r`` of a store in messages)."""
-
-    __slots__ = ("_text",)
-
-    def __init__(self, text: str) -> None:
-        self._text = text
-
-    def __repr__(self) -> str:
-        return self._text
-
-
-def _weak_callable(function: Callable[[], list[redis.Redis]]) -> Callable[[], list[redis.Redis]]:
-    """``function``, holding its object weakly when it is a bound method (no servers once gone)."""
-    if not inspect.ismethod(function):
-        return function
-    method = weakref.WeakMethod(function)
-
-    def call() -> list[redis.Redis]:
-        bound = method()
-        return [] if bound is None else bound()
-
-    return call
-
-
 class ServerChecks:
     """A store's checks of its servers: once before its first operation, again at each health check.
 
@@ -83,52 +56,44 @@ class ServerChecks:
     driver error raised while checking (the store's own translation).
     """
 
-    def __init__(
-        self,
-        store: object,
-        options: StoreOptions,
-        servers: Callable[[], list[redis.Redis]],
-        errors: TranslatedErrors,
-    ) -> None:
-        #: How the messages name the store (its repr: the redacted URL); a name, not the store, and
-        #: ``servers`` held weakly: the store keeps this object and stays out of a reference cycle
-        #: (:class:`~singleton_tasks.stores._driver_errors.TranslatedErrors` says why).
-        self._store = _Named(repr(store))
+    def __init__(self, where: str, options: StoreOptions) -> None:
+        #: How the messages name the store (its repr: the redacted URL). The store keeps this
+        #: object, so it holds nothing of the store's: the servers and the error translation
+        #: come with each call (a store stays out of reference cycles: ``TranslatedErrors``).
+        self._where = where
         self._options = options
-        self._servers = _weak_callable(servers)
-        self._errors = errors
         #: The server's eviction policy and replicas were checked (once per store).
-        self._checked = False
+        self.checked = False
         self._lock = threading.Lock()
         #: The refusal :meth:`check_health` found (an allkeys-* policy set at runtime):
         #: registrations and claims raise it until a check passes again.
         self.refusal: str | None = None
 
-    def check_once(self) -> None:
+    def check_once(self, servers: Callable[[], list[redis.Redis]], errors: TranslatedErrors) -> None:
         """Refuse an evicting server, and ``wait_replicas`` above the replicas present, at first use.
 
         Runs before the first operation of this store object (the adapters' first send, a worker's
         boot); a refusal is raised again at every use, a check that could not reach the server is
         made again at the next.
         """
-        if self._checked:
+        if self.checked:
             return
         with self._lock:
-            if not self._checked:
-                with self._errors:
-                    for server in self._servers():
+            if not self.checked:
+                with errors:
+                    for server in servers():
                         self._check_server(server)
-                self._checked = True
+                self.checked = True
 
     def _check_server(self, client: redis.Redis) -> None:
         """The checks of one server."""
         policy = eviction_policy(client)
         if policy is None:
             logger.warning(
-                "%r: could not read the server's maxmemory-policy (CONFIG GET and INFO memory are "
+                "%s: could not read the server's maxmemory-policy (CONFIG GET and INFO memory are "
                 "refused to this user); if it is allkeys-*, Redis may evict the store's keys under "
                 "memory pressure and two runs of one key can then hold it at once: use noeviction",
-                self._store,
+                self._where,
             )
         refusal = self._eviction_refusal(policy)
         if refusal is not None:
@@ -138,7 +103,7 @@ class ServerChecks:
             replicas = int(client.info("replication").get("connected_slaves", 0))
             if wait_replicas > replicas:
                 raise SingletonConfigError(
-                    f"{self._store!r}: wait_replicas={wait_replicas} but the primary has {replicas} "
+                    f"{self._where}: wait_replicas={wait_replicas} but the primary has {replicas} "
                     "connected replica(s): every write would fail. Nothing was written"
                 )
 
@@ -147,24 +112,24 @@ class ServerChecks:
         if policy is None or not policy.startswith("allkeys-") or self._options.allow_eviction:
             return None
         return (
-            f"{self._store!r}: the server's maxmemory-policy is {policy}: under memory pressure Redis "
+            f"{self._where}: the server's maxmemory-policy is {policy}: under memory pressure Redis "
             "would evict the store's keys (a running holder's slot, the key's token) and admit a "
             "second run of a key while the first runs. Set maxmemory-policy noeviction, or give "
             "the store a dedicated Redis; allow_eviction=true accepts that risk. Nothing was written"
         )
 
-    def check_health(self) -> None:
+    def check_health(self, servers: Callable[[], list[redis.Redis]], errors: TranslatedErrors) -> None:
         """Read every server's eviction policy again (:meth:`Store.check_health`).
 
         An ``allkeys-*`` policy set while the store runs (``CONFIG SET``) is refused as at first
         use, by this call and by every registration and claim until a call finds it changed back.
         """
-        with self._errors:
-            policies = [eviction_policy(server) for server in self._servers()]
+        with errors:
+            policies = [eviction_policy(server) for server in servers()]
         refusal = next(filter(None, map(self._eviction_refusal, policies)), None)
         if refusal is None and self.refusal is not None:
             logger.warning(
-                "%r: the server's maxmemory-policy is accepted again: runs are admitted", self._store
+                "%s: the server's maxmemory-policy is accepted again: runs are admitted", self._where
             )
         self.refusal = refusal
         if refusal is not None:
@@ -175,7 +140,7 @@ class ServerChecks:
         options = self._options
         if options.wait_replicas is not None and acknowledged < options.wait_replicas:
             raise StoreUnavailableError(
-                f"{self._store!r}: only {acknowledged} of wait_replicas={options.wait_replicas} replicas "
+                f"{self._where}: only {acknowledged} of wait_replicas={options.wait_replicas} replicas "
                 f"acknowledged the write within {options.wait_timeout_ms} ms; it is applied on the "
                 "primary but may not survive a failover"
             )

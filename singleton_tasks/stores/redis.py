@@ -164,7 +164,7 @@ class RedisStore(RedisPlumbing):
             raise SingletonConfigError(f"invalid Redis store {self.url}: {detail}") from None
         check_wait_timeout(self.options, url_options, redis_options, repr(self))
         self._init_calls(functions)
-        self._server_checks = ServerChecks(self, self.options, self._servers, self._errors)
+        self._server_checks = ServerChecks(repr(self), self.options)
         self._ns = lua.text(self.namespace)
         self._ns_colon = self._ns + b":"
         self._busy_key = self._ns_colon + b"busy"
@@ -182,17 +182,13 @@ class RedisStore(RedisPlumbing):
         """*Hook.* The client of every operation (a subclass finds its server another way: Sentinel)."""
         return redis.Redis.from_url(url, **redis_options)
 
-    def _servers(self) -> list[redis.Redis]:
-        """*Hook.* The servers whose eviction policy and replicas are checked (a cluster: every primary)."""
-        return [self._client]
-
     def check_health(self) -> None:
         """Read every server's eviction policy again (:meth:`Store.check_health`).
 
         An ``allkeys-*`` policy set while the store runs (``CONFIG SET``) is refused as at first
         use, by this call and by every registration and claim until a call finds it changed back.
         """
-        self._server_checks.check_health()
+        self._server_checks.check_health(self._servers, self._errors)
 
     # -- keys ---------------------------------------------------------------------------------
 
@@ -409,7 +405,7 @@ class RedisStore(RedisPlumbing):
     def _scan(self, suffix: bytes) -> Iterator[bytes]:
         """Every key ``<namespace>:{<digest>}:<suffix>`` (glob characters in it escaped)."""
         pattern = _glob_escape(self._ns) + b":" + _TAG_PATTERN + b":" + _glob_escape(suffix)
-        self._server_checks.check_once()
+        self._check_servers()
         with self._errors:
             yield from self._client.scan_iter(match=pattern, count=1000)
 
@@ -420,7 +416,7 @@ class RedisStore(RedisPlumbing):
 
     def _busy_tags(self) -> list[bytes]:
         """*Hook.* The hash tags of the keys with runs, from the namespace's busy-key index."""
-        self._server_checks.check_once()
+        self._check_servers()
         with self._errors:
             return sorted(self._client.sscan_iter(self._busy_key, count=1000))
 
@@ -470,7 +466,7 @@ class RedisStore(RedisPlumbing):
     # -- schema and lifecycle -----------------------------------------------------------------
 
     def schema_version(self) -> int | None:
-        self._server_checks.check_once()
+        self._check_servers()
         with self._errors:
             value = self._client.get(self._schema_key)
         return None if value is None else int(value)
@@ -513,7 +509,7 @@ class RedisStore(RedisPlumbing):
         self._write_schema_version(version)
 
     def _write_schema_version(self, version: int | None) -> None:
-        self._server_checks.check_once()
+        self._check_servers()
         with self._errors:
             if version is None:
                 self._client.delete(self._schema_key)

@@ -180,7 +180,7 @@ class RedisClusterStore(RedisStore):
     ) -> list[Any]:
         """``read(client, key)`` of the index ``key_of(slot)`` of every hash slot, one pipeline
         per primary; a read answered by a redirect (the slot moving) is made again routed."""
-        self._server_checks.check_once()
+        self._check_servers()
         cluster = cast("ClusterClient", self._client)
         # A namespace holding a hash tag of its own puts all its keys (and indexes) in one slot.
         index_keys = sorted({key_of(slot) for slot in range(_SLOTS)})
