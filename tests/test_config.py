@@ -31,6 +31,7 @@ from singleton_tasks.config import MAX_KEY_LENGTH
 from singleton_tasks.outcomes import RunSpec
 from singleton_tasks.runtime import Gatekeeper
 from singleton_tasks.stores import check_store_url, store_classes
+from singleton_tasks.stores.base import redact_url, scrub_secrets
 
 # ---------------------------------------------------------------------------- SingletonConfig
 
@@ -627,3 +628,18 @@ def test_key_arguments_bind_as_signature_bind_does(
     expected = dict(reference.arguments)
     expected.update(expected.pop("more", {}))
     assert bound._bound_arguments(args, kwargs) == expected
+
+
+@pytest.mark.parametrize(
+    ("url", "secrets"),
+    [
+        ("redis://:hunter22@127.0.0.1:6379/0", ["hunter22"]),
+        ("postgresql://bob@db/app?password=hunter22", ["hunter22"]),  # libpq's query form
+        ("redis://:p%40ss@127.0.0.1/0", ["p%40ss", "p@ss"]),  # as written and as a driver decodes it
+    ],
+)
+def test_a_drivers_message_shows_no_password_of_the_url(url: str, secrets: list[str]) -> None:
+    message = f"cannot connect to {url}: " + ", ".join(f"auth {secret} refused" for secret in secrets)
+    scrubbed = scrub_secrets(message, url)
+    assert not any(secret in scrubbed for secret in secrets), scrubbed
+    assert redact_url(url) in scrubbed and "***" in scrubbed

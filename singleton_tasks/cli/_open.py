@@ -18,8 +18,7 @@ import click
 from ..errors import SingletonError
 from ..outcomes import KeySnapshot
 from ..stores import Store, check_store_url, redact_url, store_from_url
-from ..stores._driver_errors import scrub_password
-from ..stores.base import check_namespace
+from ..stores.base import check_namespace, scrub_secrets
 from ..stores.choice import STORE_ENV
 
 NAMESPACE_ENV = "SINGLETON_TASKS_NAMESPACE"
@@ -37,11 +36,6 @@ def _default_store_url() -> str:
     from ..stores.choice import default_store_url
 
     return default_store_url()
-
-
-def scrub(text: str, url: str) -> str:
-    """Belt and braces: no message we print may carry the URL's password, whoever wrote it."""
-    return scrub_password(text.replace(url, redact_url(url)), url)
 
 
 def store_options(func: F) -> F:
@@ -132,7 +126,7 @@ def open_store(store_url: str | None, namespace: str, *, create: bool = False) -
         store = store_from_url(url, namespace=namespace)
         yield store
     except SingletonError as error:
-        raise StoreProblem(scrub(str(error), url)) from None
+        raise StoreProblem(scrub_secrets(str(error), url)) from None
     finally:
         if store is not None:
             try:

@@ -17,7 +17,8 @@ import click
 
 from ..outcomes import Wake
 from ..stores import redact_url
-from ._open import StoreProblem, scrub
+from ..stores.base import scrub_secrets
+from ._open import StoreProblem
 
 
 def who() -> str:
@@ -107,6 +108,6 @@ def publish_wakes(broker: Any, broker_url: str | None, wakes: Sequence[Wake]) ->
             broker.enqueue(message)
             published.add(wake.run_id)
     except Exception as error:
-        detail = scrub(f"{type(error).__name__}: {error}", broker_url)
+        detail = scrub_secrets(f"{type(error).__name__}: {error}", broker_url)
         click.echo(f"publishing wakes on {redact_url(broker_url)} failed ({detail})", err=True)
     return published

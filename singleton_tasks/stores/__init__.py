@@ -9,8 +9,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ..errors import SingletonConfigError
-from ._driver_errors import scrub_password
-from .base import SCHEMA_VERSION, RuleStore, Store, redact_url, url_retention
+from .base import SCHEMA_VERSION, RuleStore, Store, redact_url, scrub_secrets, url_retention
 
 # The store classes, in the order a scheme is looked for: each class declares its own schemes,
 # drivers and extra (Store.schemes / .drivers / .extra). A store's module imports its driver only
@@ -83,7 +82,7 @@ def check_store_url(url: str) -> str:
     except ValueError as error:  # SingletonConfigError is one: its own message is kept
         if isinstance(error, SingletonConfigError):
             raise
-        detail = scrub_password(str(error), url)  # a driver's message may quote the URL
+        detail = scrub_secrets(str(error), url)  # a driver's message may quote the URL
         raise SingletonConfigError(f"malformed store URL {redact_url(url)}: {detail}") from None
     return urlsplit(url).scheme.lower()
 

@@ -1,4 +1,4 @@
-"""The drivers' errors, read in one place: the checks of their text, their translation, the password scrub.
+"""The drivers' errors, read in one place: the checks of their text and their translation.
 
 The drivers (redis-py, sqlite3, psycopg) say some things only in an error's message. Every
 store decision taken on such a text is one function here, and each is pinned by a test that
@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from types import TracebackType
 from typing import NoReturn
-from urllib.parse import urlsplit
 
 from ..errors import StoreUnavailableError
 
@@ -117,15 +116,6 @@ class TranslatedErrors:
             self._fail(error)
 
 
-def scrub_password(detail: str, url: str) -> str:
-    """``detail`` (a driver's message, which may quote the URL) with the URL's password as ``***``."""
-    try:
-        password = urlsplit(url).password
-    except ValueError:
-        return detail
-    return detail.replace(password, "***") if password else detail
-
-
 __all__ = [
     "TranslatedErrors",
     "redis_cluster_mode_disabled",
@@ -134,7 +124,6 @@ __all__ = [
     "redis_library_exists",
     "redis_no_functions",
     "redis_script_denied",
-    "scrub_password",
     "sqlite_duplicate_column",
     "sqlite_locked",
     "sqlite_no_such_column",

@@ -10,7 +10,7 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from typing import ClassVar
-from urllib.parse import unquote_plus, urlsplit, urlunsplit
+from urllib.parse import unquote, unquote_plus, urlsplit, urlunsplit
 
 from .. import gate
 from ..config import Timings, check_storable
@@ -59,6 +59,21 @@ def redact_url(url: str) -> str:
     host_and_port = parts.netloc.rpartition("@")[2]
     netloc = f"{parts.username or ''}:***@{host_and_port}"
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+def scrub_secrets(text: str, url: str) -> str:
+    """``text`` (a driver's message, which may quote the URL) with the URL redacted as
+    :func:`redact_url` shows it and each of its passwords, as written or decoded, as ``***``."""
+    text = text.replace(url, redact_url(url))
+    secrets = {match.group(0)[len(match.group(1)) :] for match in _QUERY_PASSWORD.finditer(url)}
+    try:
+        secrets.add(urlsplit(url).password or "")
+    except ValueError:
+        pass
+    for secret in sorted(secrets | {unquote(secret) for secret in secrets}, key=len, reverse=True):
+        if secret:
+            text = text.replace(secret, "***")
+    return text
 
 
 def check_retention(retention: object, what: str = "store retention") -> float:

@@ -69,7 +69,6 @@ from ..outcomes import (
     Wake,
 )
 from . import _redis_scripts as lua
-from ._driver_errors import scrub_password
 from ._redis_hooks import RedisStoreHooks
 from ._redis_options import (
     check_timeouts,
@@ -80,7 +79,7 @@ from ._redis_options import (
 )
 from ._redis_plumbing import RedisPlumbing
 from ._redis_server import ServerChecks
-from .base import SCHEMA_VERSION, Clock, redact_url
+from .base import SCHEMA_VERSION, Clock, redact_url, scrub_secrets
 
 #: The operations a refusal found by check_health stops: those that let a new run in.
 _ADMITTING = frozenset({"register", "claim"})
@@ -160,7 +159,7 @@ class RedisStore(RedisPlumbing):
             raise
         except (ValueError, TypeError) as error:
             # The driver's message may quote the URL: never let it show the password.
-            detail = scrub_password(str(error), url)
+            detail = scrub_secrets(str(error), url)
             raise SingletonConfigError(f"invalid Redis store {self.url}: {detail}") from None
         check_wait_timeout(self.options, url_options, redis_options, repr(self))
         self._init_calls(functions)

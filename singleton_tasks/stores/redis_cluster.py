@@ -56,9 +56,9 @@ from ._driver_errors import (
     redis_cluster_mode_disabled,
     redis_cluster_unreachable,
     redis_no_functions,
-    scrub_password,
 )
 from ._redis_scripts import function_library
+from .base import scrub_secrets
 from .redis import RedisStore
 
 if TYPE_CHECKING:
@@ -149,7 +149,7 @@ class RedisClusterStore(RedisStore):
                 **redis_options,
             )
         except (redis.exceptions.RedisClusterException, redis.exceptions.RedisError) as error:
-            detail = scrub_password(str(error), url)
+            detail = scrub_secrets(str(error), url)
             if redis_cluster_mode_disabled(detail):
                 raise SingletonConfigError(
                     f"{self!r}: the seed node is not a Redis Cluster node (cluster mode is not enabled); "
