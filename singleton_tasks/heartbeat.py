@@ -52,6 +52,20 @@ def compare_clocks(store_time: float, store: Store) -> float:
     return skew
 
 
+def log_lost_slot(task_name: str, run_id: str, key: str, token: int | None, when: str = "") -> None:
+    """The error of a holder whose slot another owner holds now (docs/operations.md#logging);
+    ``when``: where it was found (" at its heartbeat", " before its retry")."""
+    logger.error(
+        "%s run %s lost its slot of key %r (token %s)%s: another owner holds it; "
+        "reject its writes by the fencing token",
+        task_name,
+        run_id,
+        key,
+        token,
+        when,
+    )
+
+
 class Heartbeater:
     """One thread per process: one batched store call per interval for all running holders.
 
@@ -68,8 +82,8 @@ class Heartbeater:
         self._gatekeeper = gatekeeper
         options = gatekeeper.options
         self._ceiling = options.heartbeat_interval or options.lease / 3
-        self._running: dict[str, tuple[HolderRef, float]] = {}
-        self._tasks: dict[str, str] = {}  # run id -> task name, for the lost-slot error
+        #: run id -> (the holder, its lease, its task's name for the logs)
+        self._running: dict[str, tuple[HolderRef, float, str]] = {}
         self._retries: list[tuple[Callable[[], object], str]] = []
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -86,7 +100,7 @@ class Heartbeater:
             return self._interval()
 
     def _interval(self) -> float:
-        shortest = min((lease for _ref, lease in self._running.values()), default=None)
+        shortest = min((lease for _ref, lease, _task in self._running.values()), default=None)
         return self._ceiling if shortest is None else min(self._ceiling, shortest / 3)
 
     def start(self) -> None:
@@ -99,12 +113,11 @@ class Heartbeater:
             self._thread = threading.Thread(target=self._loop, name="singleton-heartbeat", daemon=True)
             self._thread.start()
 
-    def track(self, ref: HolderRef, lease: float, task_name: str | None = None) -> None:
-        """Heartbeat ``ref`` from now on; ``task_name`` (default: its scope) names it in the logs."""
+    def track(self, ref: HolderRef, lease: float, task_name: str) -> None:
+        """Heartbeat ``ref`` from now on; ``task_name`` names it in the logs."""
         with self._lock:
             shorter = lease / 3 < self._interval()
-            self._running[ref.run_id] = (ref, lease)
-            self._tasks[ref.run_id] = task_name or ref.scope
+            self._running[ref.run_id] = (ref, lease, task_name)
             self._start()
             if shorter:
                 self._changed.notify()  # the thread sleeps for a longer interval: wake it
@@ -132,11 +145,10 @@ class Heartbeater:
     def untrack(self, run_id: str) -> None:
         with self._lock:
             self._running.pop(run_id, None)
-            self._tasks.pop(run_id, None)
 
     def running(self) -> list[HolderRef]:
         with self._lock:
-            return [ref for ref, _lease in self._running.values()]
+            return [ref for ref, _lease, _task in self._running.values()]
 
     def beat(self) -> list[str]:
         """One batched heartbeat now; returns the run ids that lost their slot."""
@@ -153,22 +165,13 @@ class Heartbeater:
             # A run whose own thread settled it during the call was untracked before its release:
             # the store forgot it, and that is no loss. Still tracked as heartbeated: lost.
             lost = [
-                (ref, self._tasks.pop(ref.run_id, ref.scope))
+                self._running.pop(ref.run_id)
                 for ref in holders
-                if ref.run_id in dropped and self._running.get(ref.run_id, (None, 0.0))[0] == ref
+                if ref.run_id in dropped and self._running.get(ref.run_id, (None,))[0] == ref
             ]
-            for ref, _task_name in lost:
-                del self._running[ref.run_id]
-        for ref, task_name in lost:
-            logger.error(
-                "%s run %s lost its slot of key %r (token %s) at its heartbeat: another owner holds it; "
-                "reject its writes by the fencing token",
-                task_name,
-                ref.run_id,
-                ref.key,
-                ref.token,
-            )
-        return [ref.run_id for ref, _task_name in lost]
+        for ref, _lease, task_name in lost:
+            log_lost_slot(task_name, ref.run_id, ref.key, ref.token, " at its heartbeat")
+        return [ref.run_id for ref, _lease, _task in lost]
 
     def tick_due(self) -> int:
         """One batch of the due work of keys nobody calls (re-issues, evictions, abandoned

@@ -35,7 +35,7 @@ from .config import (
 from .confirms import CONFIRM_FLUSH_TIMEOUT, Confirmer, Run
 from .errors import SingletonConfigError, SingletonQueueFullError, StoreUnavailableError
 from .generations import issued_before
-from .heartbeat import Heartbeater, compare_clocks
+from .heartbeat import Heartbeater, compare_clocks, log_lost_slot
 from .outcomes import (
     ClaimOutcome,
     Decision,
@@ -381,13 +381,7 @@ class Gatekeeper:
         """A holder waits for its retry: stop heartbeating it, keep its slot."""
         self.heartbeats.untrack(spec.run_id)
         if not self.store.suspend(spec.scope, spec.key, spec.run_id, token, delay=delay):
-            logger.error(
-                "%s run %s lost its slot of key %r (token %s) before its retry: another owner holds it",
-                task_name,
-                spec.run_id,
-                spec.key,
-                token,
-            )
+            log_lost_slot(task_name, spec.run_id, spec.key, token, " before its retry")
 
     def release(
         self,
@@ -408,14 +402,7 @@ class Gatekeeper:
         metrics.observe_release(task_name, outcome)
         metrics.observe_woken(task_name, len(outcome.wakes))
         if outcome.lost:
-            logger.error(
-                "%s run %s lost its slot of key %r (token %s): another owner holds it; "
-                "reject its writes by the fencing token",
-                task_name,
-                spec.run_id,
-                spec.key,
-                token,
-            )
+            log_lost_slot(task_name, spec.run_id, spec.key, token)
         return outcome
 
     @staticmethod

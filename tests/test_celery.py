@@ -1098,13 +1098,13 @@ def test_a_forked_pool_process_heartbeats_with_its_own_thread() -> None:
     gatekeeper = Gatekeeper(store_from_url("memory://fork"), heartbeat_interval=0.05)
     ref = HolderRef("scope", "key", "run", 1)
     parent = gatekeeper.heartbeats
-    parent.track(ref, 60.0)  # the parent's heartbeat thread runs
+    parent.track(ref, 60.0, "tasks.t")  # the parent's heartbeat thread runs
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: what a prefork pool process sees
         try:
             child = gatekeeper.heartbeats
-            child.track(ref, 60.0)
+            child.track(ref, 60.0, "tasks.t")
             thread = child._thread
             ok = child is not parent and thread is not None and thread.is_alive()
             os.write(write, b"1" if ok else b"0")

@@ -56,7 +56,7 @@ def test_a_heartbeat_reports_the_store_clock_and_warns_about_skew(caplog: pytest
     gatekeeper = Gatekeeper(store_from_url(memory(), clock=clock))
     spec = RunSpec("s", "k", "r")
     outcome = gatekeeper.store.claim(spec, 0, None)
-    gatekeeper.heartbeats.track(HolderRef("s", "k", "r", outcome.token or 0), 60.0)
+    gatekeeper.heartbeats.track(HolderRef("s", "k", "r", outcome.token or 0), 60.0, "tasks.t")
     with caplog.at_level(logging.WARNING, logger="singleton_tasks"):
         assert gatekeeper.heartbeats.beat() == []
     assert any("ahead of" in r.getMessage() for r in caplog.records), caplog.text
@@ -78,8 +78,8 @@ def test_the_heartbeat_interval_follows_the_shortest_lease_held() -> None:
     gatekeeper = Gatekeeper(store_from_url(memory()), lease=60.0)
     beats = gatekeeper.heartbeats
     assert beats.interval == 20.0
-    beats.track(HolderRef("s", "a", "a", 1), 60.0)
-    beats.track(HolderRef("s", "b", "b", 1), 4.5)
+    beats.track(HolderRef("s", "a", "a", 1), 60.0, "tasks.t")
+    beats.track(HolderRef("s", "b", "b", 1), 4.5, "tasks.t")
     assert beats.interval == 1.5  # three beats per the shortest lease held
     beats.untrack("b")
     assert beats.interval == 20.0
@@ -119,7 +119,7 @@ def test_a_run_released_during_a_heartbeat_is_not_reported_lost(caplog: pytest.L
     store = gatekeeper.store
     spec = RunSpec("s", "k", "r")
     token = store.claim(spec, 0, None).token or 0
-    gatekeeper.heartbeats.track(HolderRef("s", "k", "r", token), 60.0)
+    gatekeeper.heartbeats.track(HolderRef("s", "k", "r", token), 60.0, "tasks.t")
     beat_in_store = store.heartbeat
 
     def released_meanwhile(holders: object) -> object:
@@ -134,7 +134,7 @@ def test_a_run_released_during_a_heartbeat_is_not_reported_lost(caplog: pytest.L
     store.heartbeat = beat_in_store  # type: ignore[method-assign]
     other = RunSpec("s", "k2", "r2")
     token = store.claim(other, 0, None).token or 0
-    gatekeeper.heartbeats.track(HolderRef("s", "k2", "r2", token), 60.0)
+    gatekeeper.heartbeats.track(HolderRef("s", "k2", "r2", token), 60.0, "tasks.t")
     store.release("s", "k2", "r2", token=token)
     with caplog.at_level(logging.ERROR, logger="singleton_tasks"):
         assert gatekeeper.heartbeats.beat() == ["r2"]
