@@ -131,18 +131,23 @@ class _Adoption:
         )
 
 
-def marked_config(function: object) -> BoundSingleton | None:
-    """The config ``@singleton`` put on ``function`` (a task's body), adopted or not; None if it has none."""
+def _adoption_of(function: object) -> _Adoption | None:
+    """What ``@singleton`` left on ``function`` (a task's body); None if it has no mark."""
     function = getattr(function, "__func__", function)  # a bound method (Celery's bind=True)
     state = getattr(function, "__singleton_adoption__", None)
-    return state.bound if isinstance(state, _Adoption) else None
+    return state if isinstance(state, _Adoption) else None
+
+
+def marked_config(function: object) -> BoundSingleton | None:
+    """The config ``@singleton`` put on ``function`` (a task's body), adopted or not; None if it has none."""
+    state = _adoption_of(function)
+    return None if state is None else state.bound
 
 
 def adopt(function: object) -> BoundSingleton | None:
     """The config ``@singleton`` put on ``function`` (a task's body), now adopted; None if it has none."""
-    function = getattr(function, "__func__", function)  # a bound method (Celery's bind=True)
-    state = getattr(function, "__singleton_adoption__", None)
-    if not isinstance(state, _Adoption):
+    state = _adoption_of(function)
+    if state is None:
         return None
     state.adopted = True
     return state.bound
