@@ -13,15 +13,17 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import pytest
+import redis
+import redis.exceptions
 from conftest import REDIS_URL, require_server
 
 from singleton_tasks.errors import StoreUnavailableError
 from singleton_tasks.stores import _driver_errors as errors
+from singleton_tasks.stores.base import scrub_secrets
 
 
 @pytest.fixture
 def admin() -> Iterator[Any]:
-    redis = pytest.importorskip("redis")
     require_server(REDIS_URL, "Redis")
     client = redis.Redis.from_url(REDIS_URL)
     yield client
@@ -31,7 +33,6 @@ def admin() -> Iterator[Any]:
 @pytest.fixture
 def limited_user(admin: Any) -> Iterator[Any]:
     """A factory of clients of a new ACL user with the given command rules (deleted after)."""
-    redis = pytest.importorskip("redis")
     made: list[tuple[str, Any]] = []
 
     def make(*commands: str, keys: str = "*") -> Any:
@@ -54,7 +55,6 @@ def limited_user(admin: Any) -> Iterator[Any]:
 @pytest.mark.redis
 def test_an_unknown_command_reads_as_a_server_without_functions(admin: Any) -> None:
     """A server older than Redis 7 answers FCALL as it answers any command it does not know."""
-    redis = pytest.importorskip("redis")
     with pytest.raises(redis.exceptions.ResponseError) as info:
         admin.execute_command("SINGLETON_TASKS_NO_SUCH_COMMAND", "x")
     assert errors.redis_no_functions(info.value)
@@ -62,7 +62,6 @@ def test_an_unknown_command_reads_as_a_server_without_functions(admin: Any) -> N
 
 @pytest.mark.redis
 def test_a_user_refused_fcall_or_function_reads_as_no_functions(admin: Any, limited_user: Any) -> None:
-    redis = pytest.importorskip("redis")
     client = limited_user("+@all", "-fcall", "-function")
     with pytest.raises(redis.exceptions.NoPermissionError) as fcall:
         client.fcall("singleton_tasks_absent", 0)
@@ -76,7 +75,6 @@ def test_a_user_refused_fcall_or_function_reads_as_no_functions(admin: Any, limi
 
 @pytest.mark.redis
 def test_a_key_the_acl_keeps_from_the_user_is_not_read_as_no_functions(limited_user: Any) -> None:
-    redis = pytest.importorskip("redis")
     client = limited_user("+@all", keys="allowed:*")
     with pytest.raises(redis.exceptions.NoPermissionError) as info:
         client.get("forbidden")
@@ -86,7 +84,6 @@ def test_a_key_the_acl_keeps_from_the_user_is_not_read_as_no_functions(limited_u
 
 @pytest.mark.redis
 def test_fcall_of_a_missing_function_reads_as_function_missing(admin: Any) -> None:
-    redis = pytest.importorskip("redis")
     with pytest.raises(redis.exceptions.ResponseError) as info:
         admin.fcall(f"singleton_tasks_absent_{uuid.uuid4().hex}", 0)
     assert errors.redis_function_missing(info.value)
@@ -95,7 +92,6 @@ def test_fcall_of_a_missing_function_reads_as_function_missing(admin: Any) -> No
 
 @pytest.mark.redis
 def test_loading_a_library_twice_reads_as_library_exists(admin: Any) -> None:
-    redis = pytest.importorskip("redis")
     name = f"singleton_tasks_test_{uuid.uuid4().hex[:12]}"
     code = f"#!lua name={name}\nredis.register_function('{name}_f', function() return 1 end)"
     admin.function_load(code)
@@ -111,14 +107,12 @@ def test_loading_a_library_twice_reads_as_library_exists(admin: Any) -> None:
 @pytest.mark.redis
 def test_evalsha_of_an_unknown_script_is_redis_pys_no_script_error(admin: Any) -> None:
     """Not a text check: the store relies on redis-py turning NOSCRIPT into NoScriptError."""
-    redis = pytest.importorskip("redis")
     with pytest.raises(redis.exceptions.NoScriptError):
         admin.evalsha("0" * 40, 0)
 
 
 @pytest.mark.redis
 def test_a_command_a_script_may_not_run_reads_as_script_denied(admin: Any, limited_user: Any) -> None:
-    redis = pytest.importorskip("redis")
     client = limited_user("+@all", "-time")
     with pytest.raises(redis.exceptions.ResponseError) as info:
         client.eval("return redis.call('TIME')", 0)
@@ -130,7 +124,6 @@ def test_a_command_a_script_may_not_run_reads_as_script_denied(admin: Any, limit
 
 @pytest.mark.redis
 def test_a_seed_node_without_cluster_mode_reads_as_cluster_mode_disabled(admin: Any) -> None:
-    redis = pytest.importorskip("redis")
     from redis.cluster import RedisCluster
 
     with pytest.raises((redis.exceptions.RedisClusterException, redis.exceptions.RedisError)) as info:
@@ -142,7 +135,6 @@ def test_a_seed_node_without_cluster_mode_reads_as_cluster_mode_disabled(admin: 
 
 @pytest.mark.redis
 def test_no_reachable_seed_node_reads_as_cluster_unreachable() -> None:
-    redis = pytest.importorskip("redis")
     from redis.cluster import RedisCluster
 
     with socket.socket() as probe:  # a loopback port nothing listens on
@@ -213,10 +205,10 @@ def test_translated_errors_send_only_the_named_errors_to_fail() -> None:
         pass
 
 
-def test_scrub_password_hides_the_urls_password_only() -> None:
+def test_scrub_secrets_hides_the_urls_password_only() -> None:
     url = "redis://user:s3cret@host:6379/0"
-    assert errors.scrub_password("bad option in redis://user:s3cret@host", url) == (
+    assert scrub_secrets("bad option in redis://user:s3cret@host", url) == (
         "bad option in redis://user:***@host"
     )
-    assert errors.scrub_password("no password here", "redis://host") == "no password here"
-    assert errors.scrub_password("s3cret", "redis://[bad") == "s3cret"  # an unparsable URL: as given
+    assert scrub_secrets("no password here", "redis://host") == "no password here"
+    assert scrub_secrets("s3cret", "redis://[bad") == "s3cret"  # an unparsable URL: as given
