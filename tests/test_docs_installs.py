@@ -17,6 +17,7 @@ in fresh environments by tests/test_extras.py).
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,14 +47,15 @@ BROKER_NEEDS = {
 STORE_NEEDS = {"redis": {"redis"}, "postgres": {"psycopg", "psycopg_pool"}}
 
 
+@functools.cache
 def extras() -> dict[str, list[Requirement]]:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     return {name: [Requirement(r) for r in reqs] for name, reqs in project["optional-dependencies"].items()}
 
 
-def installs(names: set[str], known: dict[str, list[Requirement]] | None = None) -> set[str]:
+def installs(names: set[str]) -> set[str]:
     """What installing the project with extras ``names`` asks for: ``name`` and ``name[extra]``."""
-    known = extras() if known is None else known
+    known = extras()
     asked: set[str] = set()
     todo, seen = list(names), set()
     while todo:
@@ -229,9 +231,9 @@ def test_an_install_command_installs_what_its_code_needs(command: Command) -> No
     ],
 )
 def test_a_page_showing_a_broker_shows_how_to_install_it(shown: str, pattern: str, wanted: str) -> None:
-    for name, read_page in PAGE_OF.items():
-        if not re.search(pattern, read_page.code):
-            continue
+    showing = [(name, page) for name, page in PAGE_OF.items() if re.search(pattern, page.code)]
+    assert showing, f"no page shows {shown} ({pattern!r}): the check would check nothing"
+    for name, read_page in showing:
         offered = [c for c in read_page.commands if c.quoted == '"' and wanted in installs(c.extras)]
         assert offered, f"{name} shows {shown} ({pattern!r}) but no install command of it installs {wanted}"
 

@@ -238,7 +238,9 @@ def test_dramatiq_9_a_send_refused_in_before_enqueue_is_caught_around_enqueue() 
     with pytest.raises(Refused):
         refused.send(1)  # Dramatiq lets a MiddlewareError out of enqueue
     dramatiq_internals.return_dropped_sends(broker, Refused)
-    dramatiq_internals.return_dropped_sends(broker, Refused)  # once per broker
+    wrapped = broker.enqueue
+    dramatiq_internals.return_dropped_sends(broker, Refused)
+    assert broker.enqueue is wrapped  # once per broker
     message = refused.message(2)
     assert broker.enqueue(message) is message
     assert refused.send(3).args == (3,)

@@ -67,9 +67,10 @@ def started(h: Harness, run_id: str, *, count: int = 1, timeout: float = 30.0) -
 def exited_cleanly(procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
     """Each process exits 0 within ``timeout``; one that does not is killed with the rest (a hung
     producer must fail this test, not leave a running process to the next one)."""
+    deadline = time.monotonic() + timeout
     try:
         for proc in procs:
-            out, _ = proc.communicate(timeout=timeout)
+            out, _ = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
             assert proc.returncode == 0, out.decode(errors="replace")[-4000:]
     finally:
         for proc in procs:
