@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import click
@@ -170,31 +170,39 @@ def top(store_url: str | None, namespace: str, interval: float, once: bool, fram
             elif console.is_terminal:
                 _live(console, store, state, interval, frames)
             else:
-                _snapshots(console, store, state, interval, frames)
+                _print_frames(console, store, state, interval, frames)
         except KeyboardInterrupt:
             pass
 
 
-def _live(console: Console, store: Store, state: TopState, interval: float, frames: int | None) -> None:
-    """Redraw one frame in place, ``frames`` times (or until interrupted)."""
-    from rich.live import Live
-
-    with Live(top_frame(store, state), console=console, auto_refresh=False, screen=False) as live:
-        shown = 1
-        while frames is None or shown < frames:
-            # The refresh cadence of an interactive view, not a wait for a store event.
-            time.sleep(interval)
-            live.update(top_frame(store, state), refresh=True)
-            shown += 1
-
-
-def _snapshots(console: Console, store: Store, state: TopState, interval: float, frames: int | None) -> None:
-    """Print a whole frame per refresh, a blank line after each (``top -b``, for pipes and files)."""
+def _refresh(
+    store: Store, state: TopState, interval: float, frames: int | None, show: Callable[[RenderableType], None]
+) -> None:
+    """Show a frame every ``interval`` seconds, ``frames`` times (or until interrupted)."""
     shown = 0
     while True:  # a reader that goes away (`top | head`) ends it: rich exits quietly, status 1
-        console.print(top_frame(store, state))
-        console.print()
+        show(top_frame(store, state))
         shown += 1
         if frames is not None and shown >= frames:
             return
-        time.sleep(interval)  # the refresh cadence, as on a terminal
+        time.sleep(interval)  # the refresh cadence of a view, not a wait for a store event
+
+
+def _live(console: Console, store: Store, state: TopState, interval: float, frames: int | None) -> None:
+    """Redraw the frame in place (a terminal)."""
+    from rich.live import Live
+
+    with Live(console=console, auto_refresh=False, screen=False) as live:
+        _refresh(store, state, interval, frames, lambda frame: live.update(frame, refresh=True))
+
+
+def _print_frames(
+    console: Console, store: Store, state: TopState, interval: float, frames: int | None
+) -> None:
+    """Print a whole frame per refresh, a blank line after each (``top -b``, for pipes and files)."""
+
+    def show(frame: RenderableType) -> None:
+        console.print(frame)
+        console.print()
+
+    _refresh(store, state, interval, frames, show)
