@@ -19,7 +19,8 @@ from ..errors import SingletonError
 from ..outcomes import KeySnapshot
 from ..stores import Store, check_store_url, redact_url, store_from_url
 from ..stores.base import check_namespace, scrub_secrets
-from ..stores.choice import STORE_ENV
+from ..stores.choice import STORE_ENV, default_store_url
+from ..stores.sqlite import SQLiteStore, sqlite_path
 
 NAMESPACE_ENV = "SINGLETON_TASKS_NAMESPACE"
 
@@ -30,12 +31,6 @@ class StoreProblem(click.ClickException):
     """A configuration or store error: shown without a traceback, exit code 2."""
 
     exit_code = 2
-
-
-def _default_store_url() -> str:
-    from ..stores.choice import default_store_url
-
-    return default_store_url()
 
 
 def store_options(func: F) -> F:
@@ -68,7 +63,7 @@ class _NoFileYet:
     ``migrate --check`` leave the host as they found it.
     """
 
-    migrates_on_first_use = True  # as the SQLite store that would open it
+    migrates_on_first_use = SQLiteStore.migrates_on_first_use  # as the store that would open it
 
     def __init__(self, url: str, namespace: str) -> None:
         self.url = redact_url(url)
@@ -91,8 +86,6 @@ def _sqlite_path(url: str) -> str | None:
             return None
     except SingletonError:
         return None  # store_from_url reports it
-    from ..stores.sqlite import sqlite_path
-
     path = sqlite_path(url)
     return None if path == ":memory:" else path
 
@@ -104,21 +97,21 @@ def open_store(store_url: str | None, namespace: str, *, create: bool = False) -
     A SQLite path whose directory does not exist is an error (a mistyped path). Unless
     ``create``, a SQLite file that does not exist is not created: it is shown empty, with a note.
     """
-    url = store_url or _default_store_url()
+    url = store_url or default_store_url()
     path = _sqlite_path(url)
-    if path is not None:
-        directory = os.path.dirname(os.path.abspath(path))
+    absolute = None if path is None else os.path.abspath(path)
+    if path is not None and absolute is not None:
+        directory = os.path.dirname(absolute)
         if not os.path.isdir(directory):
             raise StoreProblem(
-                f"{url}: no SQLite database at {path!r}: the directory {directory!r} does not exist "
-                "(a mistyped path?)"
+                f"{redact_url(url)}: no SQLite database at {path!r}: the directory {directory!r} "
+                "does not exist (a mistyped path?)"
             )
     store: Store | None = None
     try:
-        if not create and path is not None and not os.path.exists(path):
+        if not create and absolute is not None and not os.path.exists(absolute):
             click.echo(
-                f"note: no SQLite file at {os.path.abspath(path)!r} yet (nothing has used this store): "
-                "shown empty",
+                f"note: no SQLite file at {absolute!r} yet (nothing has used this store): shown empty",
                 err=True,
             )
             yield cast(Store, _NoFileYet(url, namespace))
