@@ -331,19 +331,21 @@ class BrokerLoss:
 
 
 def in_transit_since(data: RunData, run_id: str) -> float | None:
-    """When the run's retry left for the broker, if it is the run's newest message and no worker has
-    received it since; else None.
+    """When the run's newest message left for the broker, if it can be lost for good and no worker
+    has received it since; else None.
 
-    Only a holder's message can be lost for good: a holder keeps its slot while its retry is on its
-    way, and the store never issues a holder again (it is evicted after ``orphan_timeout``). A
-    waiter's lost message (its first, a deferred copy, a wake) is issued again from the payload the
-    store keeps when the waiter's turn comes: it runs, and is never excused.
+    Only a holder's message, or a plain task's, can be lost for good: a holder keeps its slot while
+    its retry is on its way, and the store never issues a holder again (it is evicted after
+    ``orphan_timeout``); nothing issues a plain run again. A waiter's lost message (its first, a
+    deferred copy, a wake) is issued again from the payload the store keeps when the waiter's turn
+    comes: it runs, and is never excused. A plain run with no record at all is in transit since its
+    send.
 
     Evidence from the log (Celery: ``received`` = kombu recorded the message as unacked, so a dead
     worker's copy comes back after ``visibility_timeout``): the run's latest record is a body that
     raised (its retry is published as it ends) or a ``RETRY`` delivery, with no receipt after it —
     since the body's end (the delivery's start). Otherwise (a receipt, a body killed mid-run or that
-    returned, a deferral, a dropped copy, nothing at all) it is not a holder's retry in transit.
+    returned, a deferral, a dropped copy, a singleton run's silence) it is not in transit.
     """
     records: list[tuple[float, int, str, float | None]] = []  # (start, order, what, end)
     for d in data.deliveries:
@@ -355,7 +357,8 @@ def in_transit_since(data: RunData, run_id: str) -> float | None:
             # A body starts after its delivery's start: it is the later record of that delivery.
             records.append((b.start, 1, "retry" if b.outcome == "raised" else "body", b.end))
     if not records:
-        return None
+        sends = [e.at for e in data.enqueues if e.run_id == run_id and e.scope == PLAIN_TASK and e.accepted]
+        return min(sends, default=None)
     start, order, what, end = max(records, key=lambda r: (r[0], r[1]))
     if what != "retry":
         return None
@@ -390,6 +393,44 @@ def lost_to_broker(
         left[slot] -= 1
         excused[run_id] = kills[slot]
     return BrokerLoss(excused, sorted(over), per_kill * len(kills))
+
+
+def explain_unfinished(data: RunData, unfinished: Iterable[str], snapshots: Sequence[KeySnapshot]) -> str:
+    """Each unfinished run's story, for a failure message: its enqueue, every delivery and body in
+    time order (seconds from the scenario's start), the kills around them, and what the store holds
+    for its key now. A run that never completes in CI is diagnosed from this text alone."""
+    t0 = data.scenario.started
+    kills = sorted(e.at for e in data.events if e.kind == "kill")
+    lines: list[str] = []
+    for run_id in sorted(unfinished):
+        lines.append(f"run {run_id} (in transit since: {in_transit_since(data, run_id)}):")
+        story: list[tuple[float, str]] = []
+        key: tuple[str, str] | None = None
+        for e in data.enqueues:
+            if e.run_id == run_id:
+                key = (e.scope, e.key)
+                story.append((e.at, f"enqueue {e.scope}/{e.key} accepted={e.accepted} by {e.producer}"))
+        for d in data.deliveries:
+            if d.run_id == run_id:
+                story.append((d.start, f"{d.kind} on {d.worker}/{d.pid} until +{d.end - t0:.3f}: {d.detail}"))
+        for b in data.bodies:
+            if b.run_id == run_id:
+                key = key or (b.scope, b.key)
+                end = "killed/running" if b.end is None else f"+{b.end - t0:.3f}"
+                story.append(
+                    (
+                        b.start,
+                        f"body attempt {b.attempt} token {b.token} on {b.worker}/{b.pid} "
+                        f"until {end}: {b.outcome}",
+                    )
+                )
+        first = min((at for at, _ in story), default=t0)
+        story += [(at, "kill") for at in kills if at >= first]
+        lines += [f"  {at - t0:+10.3f} {what}" for at, what in sorted(story)]
+        for snap in snapshots:
+            if key == (snap.scope, snap.key):
+                lines.append(f"  store now: {snap}")
+    return "\n".join(lines)
 
 
 def broker_loss_per_kill(settings: dict[str, object]) -> int:

@@ -44,7 +44,7 @@ from singleton_tasks import (
 )
 from singleton_tasks.outcomes import KeySnapshot
 
-from .checker import BROKER_LOSS_PER_KILL, lost_to_broker, store_snapshots
+from .checker import BROKER_LOSS_PER_KILL, explain_unfinished, lost_to_broker, store_snapshots
 from .runlog import Enqueue, RunLog
 from .settings import PLAIN_TASK, SINGLETON_TASKS, Settings, real_time, shift_clock
 
@@ -666,8 +666,22 @@ def wait_all_completed(
         )
     except ScenarioError as error:
         raise ScenarioError(
-            f"{len(missing)} run(s) never completed: {sorted(missing)[:10]}\n{error}"
+            f"{len(missing)} run(s) never completed: {sorted(missing)[:10]}\n{error}\n"
+            + unfinished_story(log, run, sorted(missing)[:10])
         ) from None
+
+
+def unfinished_story(log: RunLog, run: str, run_ids: Sequence[str]) -> str:
+    """:func:`explain_unfinished` over the log and the store as they are now."""
+    data = log.load(run)
+    try:
+        snapshots = store_snapshots(data.scenario.store_url, data.scenario.namespace)
+    except StoreUnavailableError as error:
+        snapshots = []
+        note = f"(store unavailable: {error})\n"
+    else:
+        note = ""
+    return note + explain_unfinished(data, run_ids, snapshots)
 
 
 def wait_drained(
@@ -712,7 +726,8 @@ def wait_drained(
         wait_for(done, timeout=timeout, what=f"{len(wanted)} runs to complete", workers=workers, interval=0.5)
     except ScenarioError as error:
         raise ScenarioError(
-            f"{len(missing)} run(s) never completed: {sorted(missing)[:10]}\n{error}"
+            f"{len(missing)} run(s) never completed: {sorted(missing)[:10]}\n{error}\n"
+            + unfinished_story(log, settings.run, sorted(missing)[:10])
         ) from None
     return missing
 

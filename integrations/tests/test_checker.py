@@ -7,7 +7,7 @@ import json
 
 from rich.console import Console
 
-from integrations.checker import CheckResult, check, lost_to_broker
+from integrations.checker import CheckResult, check, explain_unfinished, lost_to_broker
 from integrations.runlog import Body, Delivery, Enqueue, Event, RunData, Scenario
 from singleton_tasks.outcomes import HolderView, KeySnapshot, RunState, WaiterView
 
@@ -383,3 +383,38 @@ def render(result: CheckResult) -> str:
     console = Console(width=110, record=True, file=io.StringIO())
     result.print(console)
     return console.export_text()
+
+
+def test_an_unfinished_run_is_explained_in_time_order_with_its_key_in_the_store() -> None:
+    """What a CI failure prints for a run that never completed: its whole story, then the store."""
+    logged = data(
+        [enq("a", 1, at=T0 + 0.5), enq("b", 2, at=T0 + 0.6)],
+        [body("a", 1.0, None, 7)],
+        [kill(1.5), kill(0.1)],
+        [received("a", 0.8)],
+    )
+    snap = KeySnapshot("mutex", "K", 1, 7, holders=(HolderView("a", 7, T0 + 1, T0 + 1, T0 + 2, True),))
+    other = KeySnapshot("mutex", "other", 1, 3)
+    story = explain_unfinished(logged, ["a"], [other, snap]).splitlines()
+    assert story[0].startswith("run a ")
+    assert [line.split()[1] for line in story[1:5]] == ["enqueue", "received", "body", "kill"]
+    assert "killed/running" in story[3] and "token 7" in story[3]
+    assert story[5].startswith("  store now: KeySnapshot(scope='mutex', key='K'")
+    assert len(story) == 6  # b is not asked about; the kill before a's enqueue is left out
+
+
+def test_a_plain_run_popped_by_a_killed_worker_is_a_broker_loss() -> None:
+    """A plain task's message lost between kombu's pop and its unacked record: nothing issues a
+    plain run again, so a kill after its send excuses it (within the cap); a singleton waiter in
+    the same place is issued again by the store and is not."""
+    plain = [enq("p", 1, scope="plain", key="plain0", at=T0 + 0.5)]
+    lossy = check(data(plain, [], [kill(0.6)], broker_loss_per_kill=1), [], now=T0 + 60)
+    assert lossy.ok and lossy.broker_lost == ["p"]
+    assert check(data(plain, [], [kill(0.4)], broker_loss_per_kill=1), [], now=T0 + 60).lost == ["p"]
+    assert check(data(plain, [], [kill(0.6)]), [], now=T0 + 60).lost == ["p"]  # a broker that keeps it
+    received_first = check(
+        data(plain, [], [kill(0.6)], [received("p", 0.55)], broker_loss_per_kill=1), [], now=T0 + 60
+    )
+    assert received_first.lost == ["p"]  # recorded as unacked: the broker gives it back
+    waiter = check(data([enq("w", 1, at=T0 + 0.5)], [], [kill(0.6)], broker_loss_per_kill=1), [], now=T0 + 60)
+    assert waiter.lost == ["w"] and not waiter.broker_lost
