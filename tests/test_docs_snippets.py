@@ -97,18 +97,16 @@ def snippets(page: Path) -> dict[str, str]:
     return found
 
 
-@pytest.mark.slow  # runs each quickstart in a child interpreter
-@pytest.mark.parametrize("page", QUICKSTART_PAGES, ids=lambda page: page.name)
-@pytest.mark.parametrize("framework", ["dramatiq", "celery"])
-def test_quickstart_runs_as_written(page: Path, framework: str, tmp_path: Path) -> None:
-    found = snippets(page)
-    tasks, producer = found.get(f"{framework}/tasks.py"), found.get(f"{framework}/producer")
-    assert tasks and producer, f"{page.name} has no {framework} quickstart snippets"
-    assert STORE_URL in tasks, f"the {framework} quickstart no longer names the store {STORE_URL}"
+def run_as_written(framework: str, tasks: str, producer: str, store_url: str, cwd: Path) -> str:
+    """What the ``tasks`` module and the ``producer`` print, run in a child interpreter with a worker.
+
+    The store the module names (:data:`STORE_URL`) is replaced by ``store_url``.
+    """
+    assert STORE_URL in tasks, f"the {framework} module no longer names the store {STORE_URL}"
     blocks = {
         "framework": framework,
         "store_in_text": STORE_URL,
-        "store_url": f"sqlite:///{tmp_path / 'store.db'}",
+        "store_url": store_url,
         "tasks": tasks,
         "producer": producer,
     }
@@ -117,10 +115,20 @@ def test_quickstart_runs_as_written(page: Path, framework: str, tmp_path: Path) 
         capture_output=True,
         text=True,
         timeout=90,
-        cwd=tmp_path,
+        cwd=cwd,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    out = result.stdout
+    return result.stdout
+
+
+@pytest.mark.slow  # runs each quickstart in a child interpreter
+@pytest.mark.parametrize("page", QUICKSTART_PAGES, ids=lambda page: page.name)
+@pytest.mark.parametrize("framework", ["dramatiq", "celery"])
+def test_quickstart_runs_as_written(page: Path, framework: str, tmp_path: Path) -> None:
+    found = snippets(page)
+    tasks, producer = found.get(f"{framework}/tasks.py"), found.get(f"{framework}/producer")
+    assert tasks and producer, f"{page.name} has no {framework} quickstart snippets"
+    out = run_as_written(framework, tasks, producer, f"sqlite:///{tmp_path / 'store.db'}", tmp_path)
     # The fourth start of store A is refused by the backlog cap (limit 1 + max_queue_depth 2).
     assert out.count("refused:") == 1, out
     assert "the queue of key 'store:A'" in out, out
