@@ -1,11 +1,14 @@
-"""The quickstarts of the docs and the README run as written, against in-process brokers.
+"""The quickstarts and the migration guide's blocks run as written, against in-process brokers.
 
 A snippet is a fenced ``python`` block preceded by ``<!-- snippet: NAME -->``. Each quickstart is
 two snippets: ``FRAMEWORK/tasks.py`` (the module a user saves) and ``FRAMEWORK/producer`` (what
 they type to send runs). The test runs both in a fresh interpreter, with the servers the text
 names swapped for in-process ones: Dramatiq's ``RedisBroker`` becomes a ``StubBroker``, Celery's
 Redis URLs the ``memory://`` transport and a memory result backend, and the Redis store a SQLite
-file. Every other ``python`` block of the docs must at least compile.
+file. docs/migrating.md pairs its modules and sends the same way (``LIBRARY/after`` with
+``LIBRARY/send`` or ``LIBRARY/after-send``); its ``before`` blocks use celery-singleton and
+celery-once, whose lock store is the test Redis server. Every other ``python`` block of the docs
+must at least compile.
 """
 
 from __future__ import annotations
@@ -17,6 +20,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import redis
+from conftest import REDIS_URL
+from services import require_server
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -97,18 +103,16 @@ def snippets(page: Path) -> dict[str, str]:
     return found
 
 
-@pytest.mark.slow  # runs each quickstart in a child interpreter
-@pytest.mark.parametrize("page", QUICKSTART_PAGES, ids=lambda page: page.name)
-@pytest.mark.parametrize("framework", ["dramatiq", "celery"])
-def test_quickstart_runs_as_written(page: Path, framework: str, tmp_path: Path) -> None:
-    found = snippets(page)
-    tasks, producer = found.get(f"{framework}/tasks.py"), found.get(f"{framework}/producer")
-    assert tasks and producer, f"{page.name} has no {framework} quickstart snippets"
-    assert STORE_URL in tasks, f"the {framework} quickstart no longer names the store {STORE_URL}"
+def run_as_written(framework: str, tasks: str, producer: str, store_url: str, cwd: Path) -> str:
+    """What the ``tasks`` module and the ``producer`` print, run in a child interpreter with a worker.
+
+    The store the module names (:data:`STORE_URL`) is replaced by ``store_url``.
+    """
+    assert STORE_URL in tasks, f"the {framework} module no longer names the store {STORE_URL}"
     blocks = {
         "framework": framework,
         "store_in_text": STORE_URL,
-        "store_url": f"sqlite:///{tmp_path / 'store.db'}",
+        "store_url": store_url,
         "tasks": tasks,
         "producer": producer,
     }
@@ -117,10 +121,20 @@ def test_quickstart_runs_as_written(page: Path, framework: str, tmp_path: Path) 
         capture_output=True,
         text=True,
         timeout=90,
-        cwd=tmp_path,
+        cwd=cwd,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    out = result.stdout
+    return result.stdout
+
+
+@pytest.mark.slow  # runs each quickstart in a child interpreter
+@pytest.mark.parametrize("page", QUICKSTART_PAGES, ids=lambda page: page.name)
+@pytest.mark.parametrize("framework", ["dramatiq", "celery"])
+def test_quickstart_runs_as_written(page: Path, framework: str, tmp_path: Path) -> None:
+    found = snippets(page)
+    tasks, producer = found.get(f"{framework}/tasks.py"), found.get(f"{framework}/producer")
+    assert tasks and producer, f"{page.name} has no {framework} quickstart snippets"
+    out = run_as_written(framework, tasks, producer, f"sqlite:///{tmp_path / 'store.db'}", tmp_path)
     # The fourth start of store A is refused by the backlog cap (limit 1 + max_queue_depth 2).
     assert out.count("refused:") == 1, out
     assert "the queue of key 'store:A'" in out, out
@@ -132,6 +146,81 @@ def test_quickstart_runs_as_written(page: Path, framework: str, tmp_path: Path) 
     assert elapsed >= 1.5, out
     if framework == "celery":
         assert "['A', 'A', 'A', 'B']" in out, out
+
+
+MIGRATING = DOCS / "migrating.md"
+
+#: The keys celery-singleton and celery-once lock a sync_inventory run of store A under.
+BEFORE_BLOCK_LOCKS = ["SINGLETONLOCK_*", "qo_tasks.sync_inventory_*"]
+
+
+def refused_once(out: str, error: str) -> None:
+    """The second send of store A was refused with ``error``, and only the first one ran."""
+    assert out.count("refused:") == 1 and error in out, out
+    assert out.count("syncing store A (nightly)") == 1 and "(manual)" not in out, out
+
+
+def dropped_once(out: str, results: str) -> None:
+    """The second send of store A was dropped quietly; the two results printed are ``results``."""
+    assert out.count("syncing store A (nightly)") == 1 and "(manual)" not in out, out
+    assert f"\n{results}\n" in out, out
+
+
+def one_at_a_time_in_order(out: str) -> None:
+    """Store A's batches ran one at a time, in the order they were sent; B's ran too."""
+    events = re.findall(r"store (\w) batch (\d) (starts|ends)", out)
+    of_a = [(batch, event) for store, batch, event in events if store == "A"]
+    assert of_a == [(batch, event) for batch in "012" for event in ("starts", "ends")], out
+    assert [event for store, _, event in events if store == "B"] == ["starts", "ends"], out
+
+
+#: The migration guide's runs: its module, its sends, and what their output must show.
+MIGRATIONS = {
+    "celery-singleton/before": (
+        "celery-singleton/before-send",
+        lambda out: refused_once(out, "Attempted to queue a duplicate of task ID"),
+    ),
+    "celery-singleton/after": (
+        "celery-singleton/after-send",
+        lambda out: refused_once(out, "the queue of key 'store:A'"),
+    ),
+    "celery-once/before": ("celery-once/send", lambda out: dropped_once(out, "A None")),
+    "celery-once/after": ("celery-once/send", lambda out: dropped_once(out, "A A")),
+    "dramatiq-mutex/after": ("dramatiq-mutex/send", one_at_a_time_in_order),
+}
+
+
+@pytest.mark.slow  # runs each migration in a child interpreter
+@pytest.mark.parametrize(
+    "module",
+    [
+        pytest.param(name, marks=[pytest.mark.redis] if name.endswith("/before") else [])
+        for name in MIGRATIONS
+    ],
+)
+def test_a_migration_runs_as_written(module: str, tmp_path: Path) -> None:
+    found = snippets(MIGRATING)
+    sends, check = MIGRATIONS[module]
+    assert module in found and sends in found, f"{MIGRATING.name} has no snippets {module}, {sends}"
+    framework = "dramatiq" if "import dramatiq" in found[module] else "celery"
+    if module.endswith("/before"):
+        # celery-singleton and celery-once keep their locks in Redis only. A lock left by an
+        # interrupted run would refuse the first send: they are cleared first.
+        require_server(REDIS_URL, "Redis")
+        with redis.Redis.from_url(REDIS_URL) as client:
+            for pattern in BEFORE_BLOCK_LOCKS:
+                for lock in client.scan_iter(pattern):
+                    client.delete(lock)
+        store_url = REDIS_URL
+    else:
+        store_url = f"sqlite:///{tmp_path / 'store.db'}"
+    check(run_as_written(framework, found[module], found[sends], store_url, tmp_path))
+
+
+def test_every_migration_block_is_run() -> None:
+    """A snippet added to the guide without a run is caught here, not left unrun."""
+    run = set(MIGRATIONS) | {sends for sends, _ in MIGRATIONS.values()}
+    assert set(snippets(MIGRATING)) == run
 
 
 def all_pages() -> list[Path]:
