@@ -1,8 +1,8 @@
 """A ``SingletonTask`` without a ``singleton`` option is a plain Celery task (issue 28).
 
 Modelled on Celery's own tests of the same behaviour (``t/unit/worker/test_request.py``: acks
-early or late), run with ``SingletonTask`` as the app's default task class and ``install()`` on
-the app. The lost-worker
+early or late; ``t/unit/app/test_app.py``: the duplicate task name warning), run with
+``SingletonTask`` as the app's default task class and ``install()`` on the app. The lost-worker
 half (``WorkerLostError`` by the app's settings) needs a prefork pool: it is in
 ``tests/workers/test_celery_workers.py``.
 """
@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from celery import Celery, Task
+from celery.exceptions import DuplicateTaskNameWarning
 from celery.local import Proxy
 from celery.worker import state as worker_state
 from test_celery import make_app, unique, worker
@@ -127,3 +128,28 @@ def test_a_task_without_a_singleton_option_acks_when_the_app_says(acks_late: boo
     with worker(app):
         report.delay().get(interval=0.01, timeout=10)
     assert acked_while_running == [not acks_late]
+
+
+def _first() -> None: ...
+
+
+def _second() -> None: ...
+
+
+def test_celerys_duplicate_task_name_warning_points_at_the_users_code() -> None:
+    """Celery 5.7's ``DuplicateTaskNameWarning`` names the file that registered the duplicate."""
+    app = library_app({})
+    app.finalize()
+    name = unique()
+    app.task(name=name, shared=False)(_first)
+    with pytest.warns(DuplicateTaskNameWarning) as warned:
+        app.task(name=name, shared=False)(_second)
+    assert [w.filename for w in warned] == [__file__]
+
+    promised = library_app({})  # not finalized: the duplicate is found when the promises evaluate
+    promised_name = unique()
+    promised.task(name=promised_name, shared=False)(_first)
+    promised.task(name=promised_name, shared=False)(_second)
+    with pytest.warns(DuplicateTaskNameWarning) as warned:
+        promised.finalize()
+    assert [w.filename for w in warned] == [__file__]
