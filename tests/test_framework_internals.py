@@ -26,6 +26,7 @@ import redis
 import redis.connection
 import redis.sentinel
 from celery import Celery, shared_task
+from celery.exceptions import DuplicateTaskNameWarning
 from conftest import REDIS_URL, require_server
 from dramatiq.brokers.stub import StubBroker
 from dramatiq.middleware import GroupCallbacks
@@ -158,6 +159,29 @@ def test_celery_7_the_tracer_marks_its_request_protected() -> None:
 
         reset_worker_optimizations(app)
     assert seen == [False], "inside the body the request is marked, so a direct call gets a new one"
+
+
+def test_celery_8_the_duplicate_name_warning_blames_the_first_frame_outside_celery() -> None:
+    app = _app()
+    app.finalize()
+
+    def first() -> None: ...
+
+    def second() -> None: ...
+
+    def register_again(name: str) -> Any:
+        return app._task_from_fun(second, name=name)  # the frame blamed, not its caller's
+
+    blamed = (__file__, register_again.__code__.co_firstlineno + 1)
+    app.task(name="taken", shared=False)(first)
+    with pytest.warns(DuplicateTaskNameWarning) as warned:
+        register_again("taken")
+    assert [(w.filename, w.lineno) for w in warned] == [blamed]
+    celery_internals.adopt_tasks_as_made(app, lambda task: None)
+    app.task(name="taken.too", shared=False)(first)
+    with pytest.warns(DuplicateTaskNameWarning) as warned:
+        register_again("taken.too")  # through the wrapper: the same frame
+    assert [(w.filename, w.lineno) for w in warned] == [blamed]
 
 
 # -- Dramatiq ---------------------------------------------------------------------------------

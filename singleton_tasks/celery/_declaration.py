@@ -24,12 +24,11 @@ from ._internals import (
     app_task,
     app_tasks,
     on_app_finalize,
-    option_chosen_by_class,
     promise_parts,
     replace_task_class,
     shared_task_parts,
 )
-from ._task import SingletonTask, warn_on_unsafe_acks
+from ._task import SingletonTask, takeover_defaults, warn_on_unsafe_acks
 
 
 # -- adoption: tasks declared without SingletonTask ---------------------------------------------
@@ -82,14 +81,8 @@ def _upgrade(task: Any, bound: BoundSingleton, explicit: Mapping[str, Any] | Non
         "__qualname__": cls.__qualname__,
         "__doc__": cls.__doc__,
         "_singleton_bound": bound,
+        **takeover_defaults(cls, explicit),
     }
-    for option in ("acks_late", "reject_on_worker_lost"):
-        if explicit is not None and option in explicit:
-            chosen = explicit[option]
-        else:
-            chosen = option_chosen_by_class(cls, option)
-        # As base=SingletonTask does: docs/concepts.md#takeover.
-        namespace[option] = True if chosen is None else bool(chosen)
     warn_on_unsafe_acks(task.name, namespace)
     bases = (cls,) if issubclass(cls, SingletonTask) else (SingletonTask, cls)
     replace_task_class(task, type(cls.__name__, bases, namespace))

@@ -20,11 +20,19 @@ when an upgrade changes one of them. Each is needed because Celery offers no pub
    on the class), and ``task.__trace__``, the tracer it cached, is reset.
 7. ``request._protected``: the tracer marks the request of the call it makes, so a body that
    calls its own task directly gets a new request.
+8. Celery 5.7 points the ``DuplicateTaskNameWarning`` that ``_task_from_fun`` raises at the first
+   frame outside the ``celery`` package (``celery.app.base.caller_stacklevel``): with the
+   wrapper of 2. in between, at the wrapper. The wrapper records the warnings of the call and
+   issues again those that point at it from the first frame outside Celery and this library,
+   the user's code. ``warnings.catch_warnings`` is process-wide for the call (not thread-safe,
+   and it resets which warnings were shown once): tasks are made at import and at finalize.
 """
 
 from __future__ import annotations
 
+import sys
 import types
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -81,13 +89,45 @@ def adopt_tasks_as_made(app: Celery, adopt: Callable[[Any], None]) -> bool:
         return False
 
     def _task_from_fun(app: Celery, fun: Any, *args: Any, **options: Any) -> Any:
-        task = current(fun, *args, **options)
+        with warnings.catch_warnings(record=True) as caught:
+            task = current(fun, *args, **options)
+        _warn_from_the_caller(caught)
         adopt(task)
         return task
 
     _task_from_fun._singleton_adopting = True  # type: ignore[attr-defined]
     app._task_from_fun = types.MethodType(_task_from_fun, app)
     return True
+
+
+def _warn_from_the_caller(caught: list[warnings.WarningMessage]) -> None:
+    """Issue again warnings recorded in the wrapper of 2.; those pointing at it from the user's frame (8.)."""
+    for warning in caught:
+        if warning.filename != __file__:  # Celery pointed it elsewhere: shown as it was
+            warnings.showwarning(
+                warning.message, warning.category, warning.filename, warning.lineno, warning.file
+            )
+            continue
+        frame = _first_frame_outside(("celery", "singleton_tasks"))
+        module_globals = frame.f_globals
+        # As warnings.warn does with the frame its stacklevel names: that module's filters and registry.
+        warnings.warn_explicit(
+            warning.message,
+            warning.category,
+            frame.f_code.co_filename,
+            frame.f_lineno,
+            module=module_globals.get("__name__"),
+            registry=module_globals.setdefault("__warningregistry__", {}),
+            module_globals=module_globals,
+        )
+
+
+def _first_frame_outside(packages: tuple[str, ...]) -> types.FrameType:
+    """The innermost frame of this thread's stack whose module is in none of ``packages``."""
+    frame = sys._getframe(1)
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").partition(".")[0] in packages:
+        frame = frame.f_back
+    return frame
 
 
 def _proxy_slots(proxy: Any) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:

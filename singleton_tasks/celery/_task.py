@@ -33,7 +33,7 @@ from ..errors import SingletonConfigError, StoreUnavailableError
 from ..outcomes import Decision, Registered, RegisterOutcome, RunSpec
 from ..runtime import Gatekeeper
 from ._gatekeeper import gatekeeper_for
-from ._internals import current_worker_task, is_tracer_call, mark_tracer_call
+from ._internals import current_worker_task, is_tracer_call, mark_tracer_call, option_chosen_by_class
 from ._payload import (
     GENERATION_HEADER,
     WOKEN_AT_HEADER,
@@ -71,10 +71,8 @@ class SingletonTask(Task):  # type: ignore[misc]
     """Base of singleton tasks: ``@app.task(base=SingletonTask, singleton={"key": ...})``."""
 
     #: The declaration: a dict of :class:`SingletonConfig` fields or a ``SingletonConfig``.
+    #: Without one the task is a plain Celery task: its options come from the app's settings.
     singleton: Any = None
-    # docs/concepts.md#takeover: a crashed worker's message comes back and reclaims its slot.
-    acks_late = True
-    reject_on_worker_lost = True
 
     _singleton_bound: ClassVar[BoundSingleton | None] = None
 
@@ -96,6 +94,8 @@ class SingletonTask(Task):  # type: ignore[misc]
             config, task_name=name, signature=_class_run_signature(cls)
         )
         warn_on_unsafe_acks(name, cls.__dict__)
+        for option, value in takeover_defaults(cls).items():
+            setattr(cls, option, value)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         request = self.request_stack.top
@@ -345,6 +345,20 @@ def delay_of(options: Mapping[str, Any]) -> float:
     if eta.tzinfo is None:
         eta = eta.replace(tzinfo=datetime.timezone.utc)
     return max(0.0, eta.timestamp() - clock.now())
+
+
+def takeover_defaults(cls: type, explicit: Mapping[str, Any] | None = None) -> dict[str, bool]:
+    """``acks_late`` and ``reject_on_worker_lost`` of a task that declares a singleton: True unless
+    its options or its class chose otherwise, whatever the app's settings (docs/concepts.md#takeover:
+    a crashed worker's message comes back and reclaims its slot)."""
+    chosen = {}
+    for option in ("acks_late", "reject_on_worker_lost"):
+        if explicit is not None and option in explicit:
+            value = explicit[option]
+        else:
+            value = option_chosen_by_class(cls, option)
+        chosen[option] = True if value is None else bool(value)
+    return chosen
 
 
 def warn_on_unsafe_acks(name: str, attributes: Mapping[str, Any]) -> None:

@@ -9,7 +9,8 @@ The singleton tasks (key ``{key}``, limit 1): ``workers.record``, ``workers.capp
 (``max_queue_depth=2``), ``workers.flaky`` (``self.retry()``) and ``workers.auto``
 (``autoretry_for``), all ``(key, label, duration, fails=0, until=None)`` and returning ``label``; and
 ``workers.compute(value, key, add)`` returning ``value + add`` (for chains). ``workers.send_to`` is
-a plain task that sends ``workers.record`` runs (a producer inside a pool process).
+a plain task that sends ``workers.record`` runs (a producer inside a pool process);
+``workers.plain`` is ``workers.record``'s body on ``SingletonTask`` without a ``singleton`` option.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class AppConfig:
     retry_delay: float = 0.3
     visibility_timeout: float = 0.0  # 0: kombu's default (Redis broker only)
     lease: float = 60.0
+    app_conf: str = "{}"  # JSON: more Celery settings (app.conf)
 
     def env(self) -> dict[str, str]:
         return {f"SINGLETON_CELERY_{f.name.upper()}": str(getattr(self, f.name)) for f in fields(self)}
@@ -67,6 +69,7 @@ def build(config: AppConfig) -> Celery:
     app.conf.result_expires = 600
     app.conf.worker_hijack_root_logger = True
     app.conf.broker_connection_retry_on_startup = True
+    app.conf.update(json.loads(config.app_conf))
     if config.visibility_timeout:
         app.conf.broker_transport_options = {
             "visibility_timeout": config.visibility_timeout,
@@ -153,6 +156,8 @@ def build(config: AppConfig) -> Celery:
         retry_kwargs={"countdown": RETRY_COUNTDOWN},
         max_retries=2,
     )(attempt)
+
+    app.task(base=SingletonTask, name="workers.plain", shared=False, bind=True)(attempt)
 
     @app.task(name="workers.send_to", shared=False)
     def send_to(key: str, count: int, queue: str) -> tuple[int, list[str]]:

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import redis
 from celery import chain, group
+from celery.exceptions import WorkerLostError
 from celery.result import AsyncResult
 from celery_app import AppConfig, build, go_key
 from worker_env import BROKERS, LOG_URL, STORES, brokers, fresh_namespace
@@ -504,3 +505,36 @@ def test_a_prefork_pool_process_confirms_what_it_sent_before_it_exits(
     finally:
         with contextlib.suppress(Exception), workers.app.connection() as conn:
             conn.default_channel.queue_delete(nobody)
+
+
+@pytest.mark.parametrize(
+    ("settings", "requeued"),
+    [
+        ({}, False),  # Celery's defaults: acked before the run, so the lost run fails
+        ({"task_reject_on_worker_lost": True}, False),  # acked before the run: nothing to requeue
+        ({"task_acks_late": True, "task_reject_on_worker_lost": True}, True),
+    ],
+    ids=["defaults", "reject-acked-early", "late-reject"],
+)
+@pytest.mark.parametrize("broker", brokers())
+def test_a_task_without_a_singleton_option_loses_its_worker_as_the_app_settings_say(
+    make_workers: Callable[..., Workers], broker: str, settings: dict[str, bool], requeued: bool
+) -> None:
+    """``workers.plain`` (``SingletonTask``, no ``singleton`` option) is a plain Celery task: a killed
+    pool process fails its run with ``WorkerLostError`` or requeues it as the app's settings say
+    (Celery's ``test_on_failure_WorkerLostError*`` tests in ``t/unit/worker/test_request.py``)."""
+    workers = make_workers(broker, "redis", app_conf=json.dumps(settings))
+    workers.start(pools=("prefork",))
+    go = unique("go")
+    lost = workers.tasks["workers.plain"].delay("plain", "lost", 0.0, until=go)
+    workers.wait(lambda: len(workers.deliveries(lost.id)) == 1, what="the run to start")
+    os.kill(workers.deliveries(lost.id)[0]["pid"], signal.SIGKILL)
+    if requeued:
+        workers.wait(lambda: len(workers.deliveries(lost.id)) == 2, what="the requeued run to start again")
+        workers.go(go)
+        assert lost.get(timeout=25) == "lost"
+        return
+    workers.wait(lambda: lost.state == "FAILURE", what="the lost run to fail")
+    time.sleep(1.0)  # a requeued copy would have been delivered again by now
+    assert len(workers.deliveries(lost.id)) == 1
+    assert isinstance(lost.result, WorkerLostError)
