@@ -153,3 +153,21 @@ def test_celerys_duplicate_task_name_warning_points_at_the_users_code() -> None:
     with pytest.warns(DuplicateTaskNameWarning) as warned:
         promised.finalize()
     assert [w.filename for w in warned] == [__file__]
+
+
+def test_only_an_explicit_base_without_a_singleton_option_is_warned_about(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """With SingletonTask as the app's default class every plain task (Celery's own built-in
+    ``celery.chain`` and the like too) is made from it: that says nothing about the user's intent.
+    ``base=SingletonTask`` with no ``singleton`` option does: it is the one that is logged."""
+    caplog.set_level("WARNING", logger="singleton_tasks")
+    app = library_app(SETTINGS["celery defaults"])
+    plain_name, explicit_name = unique("plain"), unique("explicit")
+    app.task(name=plain_name, shared=False)(body)
+    app.task(base=SingletonTask, name=explicit_name, shared=False)(body)
+    app.finalize()
+    warned = [r.getMessage() for r in caplog.records if "no singleton={...} option" in r.getMessage()]
+    assert warned == [
+        f"{explicit_name} has base=SingletonTask but no singleton={{...}} option: it runs as a plain task"
+    ]

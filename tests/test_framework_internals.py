@@ -25,7 +25,7 @@ import pytest
 import redis
 import redis.connection
 import redis.sentinel
-from celery import Celery, shared_task
+from celery import Celery, Task, shared_task
 from celery.exceptions import DuplicateTaskNameWarning
 from conftest import REDIS_URL, require_server
 from dramatiq.brokers.stub import StubBroker
@@ -182,6 +182,25 @@ def test_celery_8_the_duplicate_name_warning_blames_the_first_frame_outside_cele
     with pytest.warns(DuplicateTaskNameWarning) as warned:
         register_again("taken.too")  # through the wrapper: the same frame
     assert [(w.filename, w.lineno) for w in warned] == [blamed]
+
+
+def test_celery_9_a_task_made_with_the_apps_default_class_derives_from_app_task() -> None:
+    app = _app()
+
+    class Base(Task):  # type: ignore[misc]
+        pass
+
+    app.task_cls = Base
+
+    def body() -> None: ...
+
+    app.task(name="by.default", shared=False)(body)
+    app.task(base=Base, name="by.base", shared=False)(body)
+    app.finalize()
+    by_default, by_base = app.tasks["by.default"], app.tasks["by.base"]
+    assert [celery_internals.is_app_default_task_class(b) for b in type(by_default).__bases__] == [True]
+    assert [celery_internals.is_app_default_task_class(b) for b in type(by_base).__bases__] == [False]
+    assert type(by_default).__bases__ == (app.Task,) and issubclass(app.Task, Base)
 
 
 # -- Dramatiq ---------------------------------------------------------------------------------

@@ -26,6 +26,9 @@ when an upgrade changes one of them. Each is needed because Celery offers no pub
    issues again those that point at it from the first frame outside Celery and this library,
    the user's code. ``warnings.catch_warnings`` is process-wide for the call (not thread-safe,
    and it resets which warnings were shown once): tasks are made at import and at finalize.
+9. ``Celery.create_task_cls`` makes an app's default task class (``app.Task``) as a subclass of
+   ``task_cls`` whose own namespace holds ``_app`` and ``abstract = True``: a task whose class
+   derives from it took ``task_cls`` by default, not by ``base=``.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ __all__ = [
     "app_task",
     "app_tasks",
     "current_worker_task",
+    "is_app_default_task_class",
     "is_tracer_call",
     "mark_tracer_call",
     "on_app_finalize",
@@ -199,3 +203,8 @@ def is_tracer_call(request: Any) -> bool:
 def mark_tracer_call(request: Any) -> None:
     """Mark the tracer's request as Celery's worker does (7.)."""
     request._protected = 1
+
+
+def is_app_default_task_class(klass: type) -> bool:
+    """Whether ``klass`` is an app's default task class, ``app.Task`` (9.)."""
+    return klass.__dict__.get("abstract") is True and "_app" in klass.__dict__

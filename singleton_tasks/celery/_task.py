@@ -33,7 +33,13 @@ from ..errors import SingletonConfigError, StoreUnavailableError
 from ..outcomes import Decision, Registered, RegisterOutcome, RunSpec
 from ..runtime import Gatekeeper
 from ._gatekeeper import gatekeeper_for
-from ._internals import current_worker_task, is_tracer_call, mark_tracer_call, option_chosen_by_class
+from ._internals import (
+    current_worker_task,
+    is_app_default_task_class,
+    is_tracer_call,
+    mark_tracer_call,
+    option_chosen_by_class,
+)
 from ._payload import (
     GENERATION_HEADER,
     WOKEN_AT_HEADER,
@@ -83,7 +89,9 @@ class SingletonTask(Task):  # type: ignore[misc]
         declared = getattr(cls, "singleton", None)
         name = cls.__dict__.get("name") or getattr(cls, "name", None) or f"{cls.__module__}.{cls.__name__}"
         if declared is None:
-            if cls.__dict__.get("_decorated"):
+            # A task made from the app's default class did not ask for SingletonTask: only an
+            # explicit base= without the option is worth a warning.
+            if cls.__dict__.get("_decorated") and not any(map(is_app_default_task_class, cls.__bases__)):
                 logger.warning(
                     "%s has base=SingletonTask but no singleton={...} option: it runs as a plain task", name
                 )
