@@ -328,6 +328,48 @@ def test_on_full_drop_runs_the_first_limit_plus_depth_of_a_burst(store: Store, j
     assert journal.labels() == ["r0", "r1", "r6"] and journal.overlaps == []
 
 
+def test_wait_seconds_times_each_admitted_run_from_its_send(store: Store, journal: Journal) -> None:
+    """``singleton_tasks_wait_seconds``: send → admission, across the gated run's deferrals and its wake."""
+    app = make_app(store)
+    registry = CollectorRegistry()
+    saved = (metrics._active, metrics._disabled)
+    metrics.install(registry)
+    name = unique()
+    release_first = threading.Event()
+
+    @singleton(key="store:{store_id}")
+    @app.task(name=name, shared=False)
+    def sync_inventory(store_id: str, label: str) -> str:
+        with journal.body(label, store_id):
+            if label == "first":
+                assert release_first.wait(10)
+        return label
+
+    def wait_sample(suffix: str) -> float | None:
+        return registry.get_sample_value(f"singleton_tasks_wait_seconds_{suffix}", {"task": name})
+
+    try:
+        with worker(app):
+            first = sync_inventory.delay("A", "first")
+            wait_for(lambda: bool(journal.get("first")), what="first to start")
+            sent = time.monotonic()
+            second = sync_inventory.delay("A", "second")  # waits: deferred (retry_delay 0.1 s), then woken
+            time.sleep(0.4)
+            release_first.set()
+            assert [first.get(interval=0.01, timeout=10), second.get(interval=0.01, timeout=10)] == [
+                "first",
+                "second",
+            ]
+            waited = journal.get("second")[0].start - sent
+        count, total = wait_sample("count"), wait_sample("sum")
+        admitted = registry.get_sample_value("singleton_tasks_admitted_total", {"task": name})
+    finally:
+        metrics._active, metrics._disabled = saved
+    assert admitted == 2
+    assert count == 2  # every admitted run is timed
+    assert total is not None and 0.4 <= total <= waited + 0.2  # mostly the second's wait behind the first
+
+
 def test_on_full_drop_while_the_key_only_has_holders_returns_the_newest_holders_result(
     store: Store, journal: Journal
 ) -> None:
