@@ -40,7 +40,6 @@ from singleton_tasks import (
     SingletonQueueFullError,
     StoreUnavailableError,
     current_admission,
-    metrics,
     singleton,
     store_from_url,
 )
@@ -295,11 +294,10 @@ def test_max_queue_depth_rejects_the_fourth_and_accepts_after_a_slot_frees(
     assert journal.overlaps == []
 
 
-def test_on_full_drop_runs_the_first_limit_plus_depth_of_a_burst(store: Store, journal: Journal) -> None:
+def test_on_full_drop_runs_the_first_limit_plus_depth_of_a_burst(
+    store: Store, journal: Journal, metrics_registry: CollectorRegistry
+) -> None:
     app = make_app(store)
-    registry = CollectorRegistry()
-    saved = (metrics._active, metrics._disabled)
-    metrics.install(registry)
     name = unique()
 
     @singleton(key="store:{store_id}", max_queue_depth=1, on_full="drop")
@@ -309,12 +307,8 @@ def test_on_full_drop_runs_the_first_limit_plus_depth_of_a_burst(store: Store, j
             time.sleep(0.05)
         return label
 
-    try:
-        results = [sync_inventory.delay("S", f"r{i}") for i in range(6)]  # no worker: the line fills
-        dropped = registry.get_sample_value("singleton_tasks_dropped_total", {"task": name})
-    finally:
-        metrics._active, metrics._disabled = saved
-    assert dropped == 4
+    results = [sync_inventory.delay("S", f"r{i}") for i in range(6)]  # no worker: the line fills
+    assert metrics_registry.get_sample_value("singleton_tasks_dropped_total", {"task": name}) == 4
     assert queued(app) == 2  # nothing published for the dropped sends
     accepted = results[:2]
     assert runs_of(store) == [r.id for r in accepted]  # nothing registered for them either
@@ -328,12 +322,11 @@ def test_on_full_drop_runs_the_first_limit_plus_depth_of_a_burst(store: Store, j
     assert journal.labels() == ["r0", "r1", "r6"] and journal.overlaps == []
 
 
-def test_wait_seconds_times_each_admitted_run_from_its_send(store: Store, journal: Journal) -> None:
+def test_wait_seconds_times_each_admitted_run_from_its_send(
+    store: Store, journal: Journal, metrics_registry: CollectorRegistry
+) -> None:
     """``singleton_tasks_wait_seconds``: send → admission, across the gated run's deferrals and its wake."""
     app = make_app(store)
-    registry = CollectorRegistry()
-    saved = (metrics._active, metrics._disabled)
-    metrics.install(registry)
     name = unique()
     release_first = threading.Event()
 
@@ -345,28 +338,24 @@ def test_wait_seconds_times_each_admitted_run_from_its_send(store: Store, journa
                 assert release_first.wait(10)
         return label
 
-    def wait_sample(suffix: str) -> float | None:
-        return registry.get_sample_value(f"singleton_tasks_wait_seconds_{suffix}", {"task": name})
+    def sample(metric: str) -> float | None:
+        return metrics_registry.get_sample_value(metric, {"task": name})
 
-    try:
-        with worker(app):
-            first = sync_inventory.delay("A", "first")
-            wait_for(lambda: bool(journal.get("first")), what="first to start")
-            sent = time.monotonic()
-            second = sync_inventory.delay("A", "second")  # waits: deferred (retry_delay 0.1 s), then woken
-            time.sleep(0.4)
-            release_first.set()
-            assert [first.get(interval=0.01, timeout=10), second.get(interval=0.01, timeout=10)] == [
-                "first",
-                "second",
-            ]
-            waited = journal.get("second")[0].start - sent
-        count, total = wait_sample("count"), wait_sample("sum")
-        admitted = registry.get_sample_value("singleton_tasks_admitted_total", {"task": name})
-    finally:
-        metrics._active, metrics._disabled = saved
-    assert admitted == 2
-    assert count == 2  # every admitted run is timed
+    with worker(app):
+        first = sync_inventory.delay("A", "first")
+        wait_for(lambda: bool(journal.get("first")), what="first to start")
+        sent = time.monotonic()
+        second = sync_inventory.delay("A", "second")  # waits: deferred (retry_delay 0.1 s), then woken
+        time.sleep(0.4)
+        release_first.set()
+        assert [first.get(interval=0.01, timeout=10), second.get(interval=0.01, timeout=10)] == [
+            "first",
+            "second",
+        ]
+        waited = journal.get("second")[0].start - sent
+    assert sample("singleton_tasks_admitted_total") == 2
+    assert sample("singleton_tasks_wait_seconds_count") == 2  # every admitted run is timed
+    total = sample("singleton_tasks_wait_seconds_sum")
     assert total is not None and 0.4 <= total <= waited + 0.2  # mostly the second's wait behind the first
 
 
