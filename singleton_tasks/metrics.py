@@ -7,15 +7,16 @@ costs nothing to users without the extra.
 Which registry:
 
 - By default the metrics are created, on the first event, in ``prometheus_client.REGISTRY``
-  (what ``start_http_server`` / ``make_wsgi_app`` expose).
-- :func:`install` picks another registry (a Celery user's own ``CollectorRegistry``) or
-  prefixes the names; call it before the worker handles its first task.
+  (what ``start_http_server`` / ``make_wsgi_app`` expose) of the process the event happens in:
+  rejections and dropped sends in the process that sends, the rest in the worker.
+- :func:`install` picks another registry or prefixes the names; call it before the process
+  counts its first event.
 - Dramatiq's ``Prometheus`` middleware runs ``prometheus_client`` in multiprocess mode and
   exposes whatever every worker process writes to its ``PROMETHEUS_MULTIPROC_DIR``. The metrics
   here join that exposition as long as they are created after the middleware set the
   directory in ``after_process_boot``: that is why they are created lazily, on the first event,
   and why this module imports ``prometheus_client`` only then (it picks its multiprocess mode
-  at import time).
+  at import time). A Celery prefork worker uses the same mode, the directory set before it starts.
 
 Metric names (label ``task``: the Dramatiq actor / Celery task name):
 
@@ -30,7 +31,7 @@ Metric names (label ``task``: the Dramatiq actor / Celery task name):
 ``singleton_tasks_evicted_total``           orphaned holders evicted (labelled with the task
                                             whose store call evicted them: same scope)
 ``singleton_tasks_taken_over_total``        admissions over a holder whose lease lapsed
-``singleton_tasks_wait_seconds``            histogram: registration (enqueue) → admission
+``singleton_tasks_wait_seconds``            histogram: send (enqueue) → admission
 ``singleton_tasks_handoff_seconds``         histogram: a holder's release (the wake publish
                                             that follows it) → admission of the woken run
 ==========================================  ===================================================
@@ -89,7 +90,7 @@ class SingletonMetrics:
         )
         self.wait_time = Histogram(
             f"{prefix}_wait_seconds",
-            "Time from a singleton run's registration (enqueue) to its admission.",
+            "Time from a singleton run's send (enqueue) to its admission.",
             ["task"],
             buckets=WAIT_BUCKETS,
             registry=reg,

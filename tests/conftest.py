@@ -17,9 +17,10 @@ from marks import (  # noqa: F401  (hooks: pytest finds them in this module)
     pytest_terminal_summary,
     require_marked,
 )
+from prometheus_client import CollectorRegistry
 from services import require_server
 
-from singleton_tasks import Store, store_from_url
+from singleton_tasks import Store, metrics, store_from_url
 from singleton_tasks.confirms import flush_all_confirms
 
 REDIS_URL = os.environ.get("SINGLETON_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
@@ -143,3 +144,13 @@ def store_url(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> s
 @pytest.fixture
 def store(store_factory: StoreFactory) -> Store:
     return store_factory()
+
+
+@pytest.fixture
+def metrics_registry() -> Iterator[CollectorRegistry]:
+    """The library's metrics sent to a registry of the test's own; the hooks as they were after."""
+    saved = (metrics._active, metrics._disabled)
+    registry = CollectorRegistry()
+    metrics.install(registry)
+    yield registry
+    metrics._active, metrics._disabled = saved

@@ -63,3 +63,11 @@ def require_executable(name: str) -> str:
         unavailable(f"{name} is not installed")
     assert path is not None
     return path
+
+
+def free_port() -> int:
+    """A loopback TCP port nothing listens on now (the OS picks it: no fixed port collides)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port

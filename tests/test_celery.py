@@ -40,7 +40,6 @@ from singleton_tasks import (
     SingletonQueueFullError,
     StoreUnavailableError,
     current_admission,
-    metrics,
     singleton,
     store_from_url,
 )
@@ -295,11 +294,10 @@ def test_max_queue_depth_rejects_the_fourth_and_accepts_after_a_slot_frees(
     assert journal.overlaps == []
 
 
-def test_on_full_drop_runs_the_first_limit_plus_depth_of_a_burst(store: Store, journal: Journal) -> None:
+def test_on_full_drop_runs_the_first_limit_plus_depth_of_a_burst(
+    store: Store, journal: Journal, metrics_registry: CollectorRegistry
+) -> None:
     app = make_app(store)
-    registry = CollectorRegistry()
-    saved = (metrics._active, metrics._disabled)
-    metrics.install(registry)
     name = unique()
 
     @singleton(key="store:{store_id}", max_queue_depth=1, on_full="drop")
@@ -309,12 +307,8 @@ def test_on_full_drop_runs_the_first_limit_plus_depth_of_a_burst(store: Store, j
             time.sleep(0.05)
         return label
 
-    try:
-        results = [sync_inventory.delay("S", f"r{i}") for i in range(6)]  # no worker: the line fills
-        dropped = registry.get_sample_value("singleton_tasks_dropped_total", {"task": name})
-    finally:
-        metrics._active, metrics._disabled = saved
-    assert dropped == 4
+    results = [sync_inventory.delay("S", f"r{i}") for i in range(6)]  # no worker: the line fills
+    assert metrics_registry.get_sample_value("singleton_tasks_dropped_total", {"task": name}) == 4
     assert queued(app) == 2  # nothing published for the dropped sends
     accepted = results[:2]
     assert runs_of(store) == [r.id for r in accepted]  # nothing registered for them either
@@ -326,6 +320,43 @@ def test_on_full_drop_runs_the_first_limit_plus_depth_of_a_burst(store: Store, j
         last = sync_inventory.delay("S", "r6")  # accepted again
         assert last.get(interval=0.01, timeout=10) == "r6"
     assert journal.labels() == ["r0", "r1", "r6"] and journal.overlaps == []
+
+
+def test_wait_seconds_times_each_admitted_run_from_its_send(
+    store: Store, journal: Journal, metrics_registry: CollectorRegistry
+) -> None:
+    """``singleton_tasks_wait_seconds``: send → admission, across the gated run's deferrals and its wake."""
+    app = make_app(store)
+    name = unique()
+    release_first = threading.Event()
+
+    @singleton(key="store:{store_id}")
+    @app.task(name=name, shared=False)
+    def sync_inventory(store_id: str, label: str) -> str:
+        with journal.body(label, store_id):
+            if label == "first":
+                assert release_first.wait(10)
+        return label
+
+    def sample(metric: str) -> float | None:
+        return metrics_registry.get_sample_value(metric, {"task": name})
+
+    with worker(app):
+        first = sync_inventory.delay("A", "first")
+        wait_for(lambda: bool(journal.get("first")), what="first to start")
+        sent = time.monotonic()
+        second = sync_inventory.delay("A", "second")  # waits: deferred (retry_delay 0.1 s), then woken
+        time.sleep(0.4)
+        release_first.set()
+        assert [first.get(interval=0.01, timeout=10), second.get(interval=0.01, timeout=10)] == [
+            "first",
+            "second",
+        ]
+        waited = journal.get("second")[0].start - sent
+    assert sample("singleton_tasks_admitted_total") == 2
+    assert sample("singleton_tasks_wait_seconds_count") == 2  # every admitted run is timed
+    total = sample("singleton_tasks_wait_seconds_sum")
+    assert total is not None and 0.4 <= total <= waited + 0.2  # mostly the second's wait behind the first
 
 
 def test_on_full_drop_while_the_key_only_has_holders_returns_the_newest_holders_result(

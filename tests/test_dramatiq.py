@@ -35,7 +35,6 @@ from singleton_tasks import (
     Store,
     StoreUnavailableError,
     current_admission,
-    metrics,
     singleton,
     store_from_url,
 )
@@ -363,19 +362,15 @@ def test_max_queue_depth_rejects_the_fourth_send(make_env: Callable[..., Env]) -
     assert env.keys() == []
 
 
-def test_on_full_drop_runs_the_first_limit_plus_depth_of_a_burst(make_env: Callable[..., Env]) -> None:
-    registry = CollectorRegistry()
-    saved = (metrics._active, metrics._disabled)
-    metrics.install(registry)
-    try:
-        env = make_env()
-        job = env.job(singleton={"key": "{key}", "max_queue_depth": 1, "on_full": "drop"})
-        burst = [job.send("A", f"d{i}") for i in range(6)]  # no worker yet: the line fills up
-        direct = env.broker.enqueue(job.message("A", "direct"))  # every way to send drops alike
-        dramatiq.group([job.message("A", "g1"), job.message("A", "g2")]).run()
-        dropped = registry.get_sample_value("singleton_tasks_dropped_total", {"task": "job"})
-    finally:
-        metrics._active, metrics._disabled = saved
+def test_on_full_drop_runs_the_first_limit_plus_depth_of_a_burst(
+    make_env: Callable[..., Env], metrics_registry: CollectorRegistry
+) -> None:
+    env = make_env()
+    job = env.job(singleton={"key": "{key}", "max_queue_depth": 1, "on_full": "drop"})
+    burst = [job.send("A", f"d{i}") for i in range(6)]  # no worker yet: the line fills up
+    direct = env.broker.enqueue(job.message("A", "direct"))  # every way to send drops alike
+    dramatiq.group([job.message("A", "g1"), job.message("A", "g2")]).run()
+    dropped = metrics_registry.get_sample_value("singleton_tasks_dropped_total", {"task": "job"})
     assert all(isinstance(message, dramatiq.Message) for message in [*burst, direct])
     assert env.probe.labels_published() == {"d0", "d1"}  # the others were never published
     (snap,) = env.keys()

@@ -5,7 +5,6 @@ server upgrade that rewords one fails here."""
 
 from __future__ import annotations
 
-import socket
 import sqlite3
 import uuid
 from collections.abc import Iterator
@@ -16,6 +15,7 @@ import pytest
 import redis
 import redis.exceptions
 from conftest import REDIS_URL, require_server
+from services import free_port
 
 from singleton_tasks.errors import StoreUnavailableError
 from singleton_tasks.stores import _driver_errors as errors
@@ -137,9 +137,7 @@ def test_a_seed_node_without_cluster_mode_reads_as_cluster_mode_disabled(admin: 
 def test_no_reachable_seed_node_reads_as_cluster_unreachable() -> None:
     from redis.cluster import RedisCluster
 
-    with socket.socket() as probe:  # a loopback port nothing listens on
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     with pytest.raises((redis.exceptions.RedisClusterException, redis.exceptions.RedisError)) as info:
         RedisCluster(host="127.0.0.1", port=port, socket_connect_timeout=1)
     assert errors.redis_cluster_unreachable(str(info.value))

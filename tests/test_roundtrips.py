@@ -9,7 +9,6 @@ show as ``lua`` and are not round trips; ``INFO commandstats`` deltas cross-chec
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import threading
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from services import require_executable
+from services import free_port, require_executable
 
 redis = pytest.importorskip("redis")
 
@@ -33,9 +32,7 @@ pytestmark = pytest.mark.redis
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A private redis-server on a free loopback port, stopped after the module."""
     executable = require_executable("redis-server")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     directory: Path = tmp_path_factory.mktemp("redis")
     server = subprocess.Popen(
         [

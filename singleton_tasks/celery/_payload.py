@@ -29,6 +29,8 @@ logger = logging.getLogger("singleton_tasks")
 GENERATION_HEADER = GENERATION_FIELD
 #: When a wake copy was published (the handoff-latency metric).
 WOKEN_AT_HEADER = "singleton_woken_at"
+#: When the run was sent (the wait-time metric); its deferrals, wakes and retries keep it.
+SENT_AT_HEADER = "singleton_sent_at"
 
 _json: Any = _kombu_json  # kombu is untyped; its JSON carries datetimes, UUIDs, Decimals
 
@@ -70,7 +72,21 @@ def generation_of(request: Any) -> int:
 
 def woken_at(request: Any) -> float | None:
     """When the delivered copy was published as a wake, if it was one."""
-    value = _header(request, WOKEN_AT_HEADER)
+    return _epoch_header(request, WOKEN_AT_HEADER)
+
+
+def sent_at(request: Any) -> float | None:
+    """When the delivered run was sent through ``apply_async`` (None: sent another way, ``send_task``)."""
+    return _epoch_header(request, SENT_AT_HEADER)
+
+
+def with_sent_at(options: Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` with the send time among their headers, as Dramatiq's messages carry theirs."""
+    return {**options, "headers": {**(options.get("headers") or {}), SENT_AT_HEADER: clock.now()}}
+
+
+def _epoch_header(request: Any, name: str) -> float | None:
+    value = _header(request, name)
     return float(value) if isinstance(value, (int, float)) else None
 
 

@@ -49,6 +49,8 @@ from ._payload import (
     payload_to_register,
     publish_wakes,
     republishing,
+    sent_at,
+    with_sent_at,
     woken_at,
 )
 
@@ -170,6 +172,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         run_id = task_id or uuid()
         if self._is_own_republish(run_id, options):
             return publish(run_id)  # the store knows the run; its delivery claims its own slot
+        options = with_sent_at(options)  # what publish() and the stored payload send from here on
         gatekeeper = gatekeeper_for(self._get_app())
         spec = gatekeeper.spec(bound, run_id, tuple(args or ()), dict(kwargs or {}))
         dispatch = self._is_worker_dispatch(options)
@@ -287,6 +290,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                 spec,
                 delivery.generation,
                 payload_of(self, request),
+                registered_at=sent_at(request),
                 woken_at=woken_at(request),
             )
         except StoreUnavailableError:

@@ -19,6 +19,7 @@ import json
 import os
 import time
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -43,6 +44,7 @@ class AppConfig:
     visibility_timeout: float = 0.0  # 0: kombu's default (Redis broker only)
     lease: float = 60.0
     app_conf: str = "{}"  # JSON: more Celery settings (app.conf)
+    metrics_setup: str = ""  # a file of code run in the app's module when the worker loads it
 
     def env(self) -> dict[str, str]:
         return {f"SINGLETON_CELERY_{f.name.upper()}": str(getattr(self, f.name)) for f in fields(self)}
@@ -173,5 +175,11 @@ def build(config: AppConfig) -> Celery:
     return app
 
 
+#: What the metrics snippet defined: kept, as Celery's signals hold their receivers weakly.
+metrics_setup: dict[str, Any] = {}
+
 if os.environ.get("SINGLETON_CELERY_BROKER_URL"):  # imported by the celery CLI
-    app = build(AppConfig.from_env())
+    config = AppConfig.from_env()
+    app = build(config)
+    if config.metrics_setup:  # the docs' metrics snippet, as written (docs/operations.md#metrics)
+        exec(Path(config.metrics_setup).read_text(), metrics_setup)

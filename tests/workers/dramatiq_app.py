@@ -13,6 +13,7 @@ import json
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import dramatiq
@@ -36,6 +37,7 @@ class AppConfig:
     retry_delay: float = 0.3
     lease: float = 60.0
     orphan_timeout: float = 600.0
+    metrics_setup: str = ""  # a file of code run with ``broker`` when the worker loads the app
 
     def env(self) -> dict[str, str]:
         return {f"SINGLETON_APP_{name.upper()}": str(value) for name, value in self.__dict__.items()}
@@ -135,5 +137,8 @@ def build(config: AppConfig) -> tuple[dramatiq.Broker, dict[str, dramatiq.Actor[
 
 
 if os.environ.get("SINGLETON_APP_BROKER"):  # imported by the dramatiq CLI
-    broker, actors = build(AppConfig.from_env())
+    config = AppConfig.from_env()
+    broker, actors = build(config)
+    if config.metrics_setup:  # the docs' metrics snippet, as written (docs/operations.md#metrics)
+        exec(Path(config.metrics_setup).read_text(), {"broker": broker})
     dramatiq.set_broker(broker)

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,17 @@ from celery import chain, group
 from celery.exceptions import WorkerLostError
 from celery.result import AsyncResult
 from celery_app import AppConfig, build, go_key
-from worker_env import BROKERS, LOG_URL, STORES, brokers, fresh_namespace
+from services import free_port
+from worker_env import (
+    BROKERS,
+    LOG_URL,
+    STORES,
+    assert_waits_timed_from_send,
+    brokers,
+    fresh_namespace,
+    metrics_setup,
+    scraped,
+)
 
 from singleton_tasks import SingletonQueueFullError, store_from_url
 from singleton_tasks.outcomes import KeySnapshot, RunState
@@ -49,8 +59,13 @@ class Workers:
         self.log = redis.Redis.from_url(config.log_url)
         self.processes: list[subprocess.Popen[bytes]] = []
 
-    def start(self, pools: tuple[str, ...] = ("prefork", "threads"), options: tuple[str, ...] = ()) -> None:
-        env = {**os.environ, **self.config.env()}
+    def start(
+        self,
+        pools: tuple[str, ...] = ("prefork", "threads"),
+        options: tuple[str, ...] = (),
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        env = {**os.environ, **self.config.env(), **(env or {})}
         files = []
         for i, pool in enumerate(pools):
             path = self.logs / f"celery-{i}-{pool}.log"
@@ -538,3 +553,27 @@ def test_a_task_without_a_singleton_option_loses_its_worker_as_the_app_settings_
     time.sleep(1.0)  # a requeued copy would have been delivered again by now
     assert len(workers.deliveries(lost.id)) == 1
     assert isinstance(lost.result, WorkerLostError)
+
+
+@pytest.mark.parametrize("broker", brokers())
+def test_a_prefork_worker_serves_the_singleton_metrics_of_its_pool_processes(
+    make_workers: Callable[..., Workers], broker: str, tmp_path: Path
+) -> None:
+    """docs/operations.md#celery-workers as written (prometheus_client's multiprocess mode): the
+    worker's main process serves what its two pool processes counted and timed."""
+    port = free_port()
+    setup = metrics_setup("metrics/celery", tmp_path, replace=("(9808,", f"({port},"))
+    directory = tmp_path / "prometheus"
+    directory.mkdir()
+    workers = make_workers(broker, "redis", metrics_setup=str(setup))
+    workers.start(("prefork",), env={"PROMETHEUS_MULTIPROC_DIR": str(directory)})
+    key, sent, sent_by = unique("M"), [], {}
+    for label in ("m0", "m1", "m2"):  # one at a time, 0.3 s each: m1 and m2 wait
+        sent.append(workers.record.delay(key, label, 0.3))
+        sent_by[label] = time.time()
+    sent += [workers.record.delay(unique("N"), f"n{i}", 0.0) for i in range(3)]
+    assert [result.get(timeout=20) for result in sent] == ["m0", "m1", "m2", "n0", "n1", "n2"]
+    assert scraped(port, "singleton_tasks_admitted_total", task="workers.record") == 6
+    assert scraped(port, "singleton_tasks_wait_seconds_count", task="workers.record") == 6
+    waited = scraped(port, "singleton_tasks_wait_seconds_sum", task="workers.record")
+    assert_waits_timed_from_send(waited, workers.runs(key), sent_by)

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,17 @@ import pytest
 import redis
 from dramatiq.results import ResultFailure
 from dramatiq_app import AppConfig, build
-from worker_env import BROKERS, LOG_URL, STORES, brokers, fresh_namespace
+from services import free_port
+from worker_env import (
+    BROKERS,
+    LOG_URL,
+    STORES,
+    assert_waits_timed_from_send,
+    brokers,
+    fresh_namespace,
+    metrics_setup,
+    scraped,
+)
 
 from singleton_tasks import SingletonQueueFullError, store_from_url
 from singleton_tasks.outcomes import KeySnapshot
@@ -46,8 +56,20 @@ class App:
         self.log = redis.Redis.from_url(config.log_url)
         self.workers: list[subprocess.Popen[bytes]] = []
 
-    def start_workers(self, count: int = 2, threads: int = 4, worker_timeout_ms: int = 100) -> None:
-        env = {**os.environ, **self.config.env(), "dramatiq_worker_timeout": str(worker_timeout_ms)}
+    def start_workers(
+        self,
+        count: int = 2,
+        threads: int = 4,
+        worker_timeout_ms: int = 100,
+        processes: int = 1,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        env = {
+            **os.environ,
+            **self.config.env(),
+            "dramatiq_worker_timeout": str(worker_timeout_ms),
+            **(env or {}),
+        }
         files = []
         for i in range(count):
             path = self.logs / f"worker-{i}.log"
@@ -60,7 +82,7 @@ class App:
                         "--path",
                         str(APP_DIR),
                         "--processes",
-                        "1",
+                        str(processes),
                         "--threads",
                         str(threads),
                         "--log-file",
@@ -428,3 +450,36 @@ def test_a_burst_through_a_graceful_shutdown_runs_every_run_once_and_leaves_noth
     second.wait(30)
     assert second.returncode == 0
     assert _unacked(app) == {}
+
+
+@pytest.mark.parametrize("broker", brokers())
+def test_the_prometheus_middleware_serves_the_singleton_metrics_of_the_worker_processes(
+    make_app: Callable[..., App], broker: str, tmp_path: Path
+) -> None:
+    """docs/operations.md#dramatiq-workers as written: a scrape of the ``dramatiq`` command (two
+    worker processes) counts every admission and times each from its send."""
+    port = free_port()
+    setup = metrics_setup("metrics/dramatiq", tmp_path)
+    app = make_app(broker, "redis", metrics_setup=str(setup))
+    prometheus = {
+        "dramatiq_prom_db": str(tmp_path / "prometheus"),
+        "dramatiq_prom_host": "127.0.0.1",
+        "dramatiq_prom_port": str(port),
+    }
+    app.start_workers(count=1, processes=2, threads=2, env=prometheus)
+    key, sent_by = unique("M"), {}
+    for label in ("m0", "m1", "m2"):  # one at a time, 0.3 s each: m1 and m2 wait
+        app.record.send(key, label, 0.3)
+        sent_by[label] = time.time()
+    for i in range(3):
+        app.record.send(unique("N"), f"n{i}", 0.0)
+    app.wait(lambda: len(app.runs()) == 6, what="6 runs")
+    app.wait(
+        lambda: scraped(port, "singleton_tasks_admitted_total", task="record") == 6,
+        timeout=10,
+        what=f"the scrape of port {port} to count 6 admissions",
+    )
+    assert scraped(port, "singleton_tasks_wait_seconds_count", task="record") == 6
+    assert_waits_timed_from_send(
+        scraped(port, "singleton_tasks_wait_seconds_sum", task="record"), app.runs(key), sent_by
+    )

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import os
+import urllib.request
 import uuid
+from pathlib import Path
+from typing import Any
 
 from conftest import BROKER_REDIS_URL, POSTGRES_URL, RABBITMQ_URL, REDIS_URL, require_server
+from prometheus_client.parser import text_string_to_metric_families
+from test_docs_snippets import DOCS, snippets
 
 from singleton_tasks import store_from_url
 
@@ -31,3 +36,40 @@ def fresh_namespace(broker: str, store: str, prefix: str) -> str:
         migrated.migrate()
         migrated.close()
     return namespace
+
+
+def metrics_setup(name: str, folder: Path, replace: tuple[str, str] | None = None) -> Path:
+    """The metrics snippet ``name`` of docs/operations.md as a file a worker app runs; ``replace``
+    swaps one literal of the text (a port) for the test's own."""
+    code = snippets(DOCS / "operations.md")[name]
+    if replace is not None:
+        assert replace[0] in code, f"the snippet {name} no longer contains {replace[0]!r}"
+        code = code.replace(*replace)
+    path = folder / "metrics_setup.py"
+    path.write_text(code)
+    return path
+
+
+def scraped(port: int, name: str, **labels: str) -> float | None:
+    """One sample served at http://127.0.0.1:``port``/metrics; None when absent or nothing answers."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+            text = response.read().decode()
+    except OSError:
+        return None
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return float(sample.value)
+    return None
+
+
+def assert_waits_timed_from_send(
+    waited: float | None, runs: list[dict[str, Any]], sent_by: dict[str, float]
+) -> None:
+    """``waited`` (the wait_seconds sum) covers how long m1 and m2 waited behind the run before
+    them: each was admitted after that run ended, and sent before ``sent_by`` its label."""
+    ended = {run["label"]: run["end"] for run in runs}
+    least = sum(ended[before] - sent_by[after] for before, after in (("m0", "m1"), ("m1", "m2")))
+    assert least > 0.5  # the two waited about 0.3 s and 0.6 s
+    assert waited is not None and waited >= least
