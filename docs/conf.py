@@ -14,6 +14,7 @@ extensions = [
     "myst_parser",  # the pages are Markdown (they read as they are on GitHub too)
     "sphinx.ext.autodoc",  # the API reference, from the docstrings
     "sphinx.ext.napoleon",  # their "Parameters:" sections
+    "sphinx.ext.graphviz",  # the diagrams, drawn from their DOT sources in docs/diagrams/
 ]
 
 source_suffix = {".md": "markdown"}
@@ -30,6 +31,11 @@ myst_enable_extensions = ["deflist"]
 autodoc_inherit_docstrings = False
 autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
+
+# The diagrams are drawn by Graphviz's `dot` at build time: the Debian/Ubuntu package `graphviz`,
+# which .ci/run installs (without it the build fails: "dot command 'dot' cannot be run"). SVG
+# keeps their text sharp at any zoom.
+graphviz_output_format = "svg"
 
 html_theme = "furo"
 html_title = f"singleton-tasks {release}"
