@@ -310,13 +310,20 @@ def test_limit_two_runs_two_at_once_never_three(make_env: Callable[..., Env]) ->
     @dramatiq.actor(broker=env.broker)
     def statement(key: str, label: str, sleep: float = 0.0) -> None:
         attempt = env.journal.begin(label, key)
+        hold = env.holds.get(label)
+        if hold is not None:
+            assert hold.wait(WAIT)
         time.sleep(sleep)
         env.journal.finish(attempt)
 
     env.start(threads=6)
     labels = [f"s{i}" for i in range(8)]
+    env.hold(*labels[:2])  # the first two stay in their bodies until both are in: two at once
     for label in labels:
         statement.send("1", label, 0.05)
+    env.journal.wait(lambda: len(env.journal.started()) == 2)
+    for label in labels[:2]:
+        env.let_go(label)
     env.join()
     assert env.journal.max_concurrency("1") == 2
     assert {a.key for a in env.journal.attempts} == {"1"}
