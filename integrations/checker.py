@@ -341,28 +341,29 @@ def in_transit_since(data: RunData, run_id: str) -> float | None:
     comes: it runs, and is never excused. A plain run with no record at all is in transit since its
     send.
 
-    Evidence from the log (Celery: ``received`` = kombu recorded the message as unacked, so a dead
-    worker's copy comes back after ``visibility_timeout``): the run's latest record is a body that
-    raised (its retry is published as it ends) or a ``RETRY`` delivery, with no receipt after it —
-    since the body's end (the delivery's start). Otherwise (a receipt, a body killed mid-run or that
-    returned, a deferral, a dropped copy, a singleton run's silence) it is not in transit.
+    Evidence from the log: the run's newest retry left when its body raised (the body's end) or
+    during a ``RETRY`` delivery (its start), and no record after that shows a worker got it: no
+    body started since, and no receipt since. Celery logs each receipt (``received``: kombu
+    recorded the message as unacked, so a dead worker's copy comes back after
+    ``visibility_timeout``); a delivery that starts later may be of an older copy received
+    before, so on Celery only receipts count. Where no receipt is logged (Dramatiq), a delivery
+    that starts later counts.
     """
-    records: list[tuple[float, int, str, float | None]] = []  # (start, order, what, end)
-    for d in data.deliveries:
-        if d.run_id == run_id:
-            retried = d.kind == "delivery" and d.detail.startswith("RETRY")
-            records.append((d.start, 0, "retry" if retried else d.kind, d.end))
-    for b in data.bodies:
-        if b.run_id == run_id:
-            # A body starts after its delivery's start: it is the later record of that delivery.
-            records.append((b.start, 1, "retry" if b.outcome == "raised" else "body", b.end))
-    if not records:
+    deliveries = [d for d in data.deliveries if d.run_id == run_id]
+    bodies = [b for b in data.bodies if b.run_id == run_id]
+    if not deliveries and not bodies:
         sends = [e.at for e in data.enqueues if e.run_id == run_id and e.scope == PLAIN_TASK and e.accepted]
         return min(sends, default=None)
-    start, order, what, end = max(records, key=lambda r: (r[0], r[1]))
-    if what != "retry":
+    left = [d.start for d in deliveries if d.kind == "delivery" and d.detail.startswith("RETRY")]
+    left += [b.end for b in bodies if b.outcome == "raised" and b.end is not None]
+    if not left:
         return None
-    return end if order == 1 and end is not None else start
+    since = max(left)
+    receipts = [d.start for d in deliveries if d.kind == "received"]
+    got = receipts or [d.start for d in deliveries]
+    if any(at > since for at in got) or any(b.start > since for b in bodies):
+        return None
+    return since
 
 
 def lost_to_broker(

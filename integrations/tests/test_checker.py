@@ -418,3 +418,23 @@ def test_a_plain_run_popped_by_a_killed_worker_is_a_broker_loss() -> None:
     assert received_first.lost == ["p"]  # recorded as unacked: the broker gives it back
     waiter = check(data([enq("w", 1, at=T0 + 0.5)], [], [kill(0.6)], broker_loss_per_kill=1), [], now=T0 + 60)
     assert waiter.lost == ["w"] and not waiter.broker_lost
+
+
+def test_an_older_copy_delivered_after_the_retry_left_is_not_its_receipt() -> None:
+    """From a CI soak: two copies of a run were received; one was admitted and raised, its retry
+    left, a kill came, and then the other copy (received before the retry left) was delivered and
+    dropped as stale. That delivery is not the retry's receipt: the retry is still in transit."""
+    enqueues = [enq("a", 1, at=T0 + 0.1)]
+    deliveries = [
+        received("a", 0.15),
+        received("a", 0.16),
+        delivery("a", 0.17, "RETRY: Retry in 0.1s", end=0.4),
+        delivery("a", 0.38, "IGNORED: stale copy dropped", end=0.39),
+    ]
+    bodies = [body("a", 0.2, 0.3, 1, outcome="raised")]
+    lossy = check(data(enqueues, bodies, [kill(0.35)], deliveries, broker_loss_per_kill=1), [], now=T0 + 60)
+    assert lossy.ok and lossy.broker_lost == ["a"]
+    # A receipt after the retry left is the retry's: the broker gave it back, not excused.
+    again = [*deliveries, received("a", 0.5)]
+    got = check(data(enqueues, bodies, [kill(0.35)], again, broker_loss_per_kill=1), [], now=T0 + 60)
+    assert got.lost == ["a"] and not got.broker_lost
