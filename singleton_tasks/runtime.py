@@ -195,6 +195,7 @@ class Gatekeeper:
             lease=config.lease if config.lease is not None else self.options.lease,
             orphan_timeout=None if orphan is None or orphan == DISABLED else float(orphan),
             recheck=self.options.recheck,
+            replace_when_full=config.on_full == "replace",
         )
 
     def spec(
