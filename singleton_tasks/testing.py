@@ -372,7 +372,11 @@ class _OrderRules(_Contract):
         registered(store, runs[1], T0 + 1, payload=b"1")
         for i in range(2, 5):
             outcome = at(store, T0 + i).register(runs[i], payload=str(i).encode())
-            assert (outcome.status, outcome.in_flight, outcome.replaced) == (Registered.REPLACED, 2, f"r{i - 1}")
+            assert (outcome.status, outcome.in_flight, outcome.replaced) == (
+                Registered.REPLACED,
+                2,
+                f"r{i - 1}",
+            )
         assert (holders(store, T0 + 5), waiters(store, T0 + 5)) == (["r0"], ["r4"])
         for i in range(1, 4):
             stale(store, runs[i], 0, T0 + 6)
