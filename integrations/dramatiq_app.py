@@ -19,7 +19,7 @@ from singleton_tasks.dramatiq import GENERATION, SingletonMiddleware
 
 from .runlog import RunLog, perform
 from .settings import (
-    DROPPING_TASKS,
+    ON_FULL,
     MAX_RETRIES,
     PLAIN_TASK,
     SINGLETON_TASKS,
@@ -147,7 +147,7 @@ def build(settings: Settings) -> DramatiqApp:
                 "key": "{key}",
                 "limit": limit,
                 "max_queue_depth": depth,
-                "on_full": "drop" if name in DROPPING_TASKS else "raise",
+                "on_full": ON_FULL.get(name, "raise"),
                 **TASK_TIMINGS.get(name, {}),
             },
             **options,
