@@ -18,8 +18,8 @@ from singleton_tasks.celery import SingletonTask, install
 
 from .runlog import Enqueue, Flaky, RunLog, perform
 from .settings import (
-    ON_FULL,
     MAX_RETRIES,
+    ON_FULL,
     PLAIN_TASK,
     SINGLETON_TASKS,
     TASK_TIMINGS,

@@ -19,8 +19,8 @@ from singleton_tasks.dramatiq import GENERATION, SingletonMiddleware
 
 from .runlog import RunLog, perform
 from .settings import (
-    ON_FULL,
     MAX_RETRIES,
+    ON_FULL,
     PLAIN_TASK,
     SINGLETON_TASKS,
     TASK_TIMINGS,
