@@ -100,6 +100,10 @@ class _Transaction(KeyTransaction):
     def waiters_from(self, after_seq: int, count: int) -> list[RunRecord]:
         return [run.copy() for run in self._waiters() if run.seq > after_seq][:count]
 
+    def newest_waiter(self) -> RunRecord | None:
+        waiting = self._waiters()
+        return waiting[-1].copy() if waiting else None
+
     def waiters_before(self, seq: int) -> int:
         return sum(1 for run in self._waiters() if run.seq < seq)
 

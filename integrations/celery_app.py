@@ -18,8 +18,8 @@ from singleton_tasks.celery import SingletonTask, install
 
 from .runlog import Enqueue, Flaky, RunLog, perform
 from .settings import (
-    DROPPING_TASKS,
     MAX_RETRIES,
+    ON_FULL,
     PLAIN_TASK,
     SINGLETON_TASKS,
     TASK_TIMINGS,
@@ -93,7 +93,7 @@ def build(settings: Settings) -> Celery:
                 "key": "{key}",
                 "limit": limit,
                 "max_queue_depth": depth,
-                "on_full": "drop" if name in DROPPING_TASKS else "raise",
+                "on_full": ON_FULL.get(name, "raise"),
                 **TASK_TIMINGS.get(name, {}),
             },
             name=name,

@@ -19,8 +19,8 @@ from singleton_tasks.dramatiq import GENERATION, SingletonMiddleware
 
 from .runlog import RunLog, perform
 from .settings import (
-    DROPPING_TASKS,
     MAX_RETRIES,
+    ON_FULL,
     PLAIN_TASK,
     SINGLETON_TASKS,
     TASK_TIMINGS,
@@ -147,7 +147,7 @@ def build(settings: Settings) -> DramatiqApp:
                 "key": "{key}",
                 "limit": limit,
                 "max_queue_depth": depth,
-                "on_full": "drop" if name in DROPPING_TASKS else "raise",
+                "on_full": ON_FULL.get(name, "raise"),
                 **TASK_TIMINGS.get(name, {}),
             },
             **options,

@@ -498,12 +498,13 @@ class Producer:
             self.records.append(record)
         return record
 
-    def mark_dropped(self, run_ids: set[str]) -> None:
-        """Log these sends as not accepted (``on_full="drop"``: they returned without raising)."""
+    def mark_dropped(self, run_ids: set[str], error: str = "dropped") -> None:
+        """Log these sends as not accepted: they returned without raising, and never run
+        (``on_full="drop"``, or ``"replace"`` for a run a later send replaced: ``error="replaced"``)."""
         with self._lock:
             assert self._flushed == 0 or all(r.run_id not in run_ids for r in self.records[: self._flushed])
             self.records = [
-                dataclasses.replace(r, accepted=False, error="dropped") if r.run_id in run_ids else r
+                dataclasses.replace(r, accepted=False, error=error) if r.run_id in run_ids else r
                 for r in self.records
             ]
 

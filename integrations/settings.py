@@ -27,9 +27,11 @@ SINGLETON_TASKS: dict[str, tuple[int, int | None]] = {
     "brief": (1, None),
     "narrow": (1, 2),
     "coalesced": (1, 1),
+    "latest": (1, 1),
 }
-#: Tasks whose sends over the cap are dropped (``on_full="drop"``) instead of raising.
-DROPPING_TASKS = {"coalesced"}
+#: Tasks whose sends over the cap do not raise: ``coalesced`` drops them, ``latest`` replaces the
+#: key's newest waiter (every other task: ``on_full="raise"``).
+ON_FULL = {"coalesced": "drop", "latest": "replace"}
 #: Task-level overrides of the middleware's timings: ``brief`` has a lease far shorter than the
 #: middleware's (its heartbeats must follow its own lease).
 TASK_TIMINGS: dict[str, dict[str, float]] = {"brief": {"lease": 5.0, "orphan_timeout": 5.0}}

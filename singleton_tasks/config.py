@@ -55,8 +55,9 @@ MIN_LEASE = 3.0
 KeySpec = str | Callable[..., object]
 
 #: What a send does when its key's line is full (docs/concepts.md#backlog-cap): ``"raise"``
-#: SingletonQueueFullError, or ``"drop"`` the run quietly (nothing published or registered).
-OnFull = Literal["raise", "drop"]
+#: SingletonQueueFullError, ``"drop"`` the run quietly (nothing published or registered), or
+#: ``"replace"`` the newest waiter (the send takes its place in line; the replaced run never runs).
+OnFull = Literal["raise", "drop", "replace"]
 ON_FULL_CHOICES: tuple[OnFull, ...] = get_args(OnFull)
 
 
@@ -99,6 +100,11 @@ class SingletonConfig:
             raise SingletonConfigError(
                 f"singleton on_full={self.on_full!r} needs a max_queue_depth (0 or more): "
                 "without one the key's line is never full"
+            )
+        if self.on_full == "replace" and self.max_queue_depth == 0:
+            raise SingletonConfigError(
+                "singleton on_full='replace' with max_queue_depth=0: there is never a waiter to "
+                "replace; use on_full='drop'"
             )
         if self.scope is not None and (not isinstance(self.scope, str) or not self.scope):
             raise SingletonConfigError(f"singleton scope must be a non-empty str, got {self.scope!r}")

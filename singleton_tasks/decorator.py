@@ -230,8 +230,8 @@ def singleton(
     task it changes nothing but a warning when the function is called.
 
     ``on_full`` is what a send over ``limit + max_queue_depth`` does: ``"raise"``
-    ``SingletonQueueFullError``, or ``"drop"`` the run without publishing or raising
-    (docs/concepts.md#backlog-cap).
+    ``SingletonQueueFullError``, ``"drop"`` the run without publishing or raising, or
+    ``"replace"`` the key's newest waiter, which then never runs (docs/concepts.md#backlog-cap).
     """
     options = {
         "key": key,

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .config import Timings
-from .generations import issued_before, issued_in_a_lost_write, next_counter
+from .generations import REPLACED_GENERATION, issued_before, issued_in_a_lost_write, next_counter
 from .outcomes import (
     ClaimOutcome,
     Decision,
@@ -238,11 +238,15 @@ def _new_waiter(
     generation: int,
     payload: bytes | None,
     delay: float = 0.0,
+    seq: int | None = None,
 ) -> RunRecord:
-    meta.seq += 1
+    """A pending waiter at the back of the line, or at ``seq`` (the place of a run it replaces)."""
+    if seq is None:
+        meta.seq += 1
+        seq = meta.seq
     run = RunRecord(
         run_id=spec.run_id,
-        seq=meta.seq,
+        seq=seq,
         state=RunState.PENDING,
         created_at=now,
         confirmed=confirmed,
@@ -272,24 +276,43 @@ def register(
     Every registered run counts until it settles; registrations never published (unconfirmed
     past their grace) are dropped first and count no more. ``delay``: the run is sent with that
     delay (seconds): it is not issued again before the delay is up.
+
+    Over the cap with ``spec.replace_when_full``, the run takes the place in line of the newest
+    waiter, which is settled so that every copy of it is stale (REPLACED); with no waiter to
+    replace (holders alone fill the cap, as after a limit was lowered) the answer is FULL.
     """
     if tx.get_run(spec.run_id) is not None:
         return RegisterOutcome(Registered.EXISTS, tx.count_runs())
     now = tx.now()
     never_published = tx.unconfirmed_before(now - timings.registration_grace)
     in_flight = tx.count_runs() - len(never_published)
-    if spec.max_queue_depth is not None and in_flight >= spec.limit + spec.max_queue_depth:
+    full = spec.max_queue_depth is not None and in_flight >= spec.limit + spec.max_queue_depth
+    # Never-published registrations are waiters, never holders: are there others to replace?
+    if full and (not spec.replace_when_full or tx.count_runs() - len(tx.holders()) <= len(never_published)):
         return RegisterOutcome(Registered.FULL, in_flight)
     for run_id in never_published:
         tx.delete_run(run_id)
+    replaced = tx.newest_waiter() if full else None
+    if replaced is not None:
+        tx.delete_run(replaced.run_id)
+        tx.mark_settled(replaced.run_id, REPLACED_GENERATION, now + timings.retention, now)
     meta = _meta(tx, now)
     meta.limit = spec.limit
     holders = tx.holders()
-    ahead = tx.count_runs() - len(holders)  # waiters before the new run
+    ahead = tx.count_runs() - len(holders)  # waiters before the new run (a replaced run was last)
     if ahead == 0:  # the first waiter: a holder's eviction now hands it on
         meta.due_at = _earliest(meta.due_at, _eviction_due(holders))
     tx.clear_settled(spec.run_id)
-    run = _new_waiter(spec, meta, now, confirmed=confirmed, generation=0, payload=payload, delay=delay)
+    run = _new_waiter(
+        spec,
+        meta,
+        now,
+        confirmed=confirmed,
+        generation=0,
+        payload=payload,
+        delay=delay,
+        seq=None if replaced is None else replaced.seq,
+    )
     tx.save_run(run)
     meta.due_at = _earliest(meta.due_at, _own_due(run, timings))
     if not confirmed and ahead < meta.limit - len(holders):
@@ -297,6 +320,8 @@ def register(
         # else calls the key (one tick, and none if it settles first).
         meta.due_at = _earliest(meta.due_at, now + timings.registration_grace)
     _finish(tx, meta, now, timings)
+    if replaced is not None:
+        return RegisterOutcome(Registered.REPLACED, in_flight, replaced=replaced.run_id)
     return RegisterOutcome(Registered.REGISTERED, in_flight + 1)
 
 

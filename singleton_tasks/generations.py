@@ -13,6 +13,11 @@ import math
 
 from .records import RunRecord
 
+#: The settled generation of a run replaced in line (``on_full="replace"``): no copy carries it
+#: (the producer's copy carries 0, issued copies a clock count, Dramatiq's duplicate starts -1),
+#: so every copy of the run is stale. ``stores/lua/lib.lua`` has it as ``REPLACED_GENERATION``.
+REPLACED_GENERATION = -2
+
 
 def micros(now: float) -> int:
     """A store time as whole microseconds: the clock part of tokens and generations."""

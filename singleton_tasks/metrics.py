@@ -28,6 +28,8 @@ Metric names (label ``task``: the Dramatiq actor / Celery task name):
 ``singleton_tasks_rejected_total``          enqueues refused with ``SingletonQueueFullError``
 ``singleton_tasks_dropped_total``           sends dropped by ``on_full="drop"``: their key was
                                             full, nothing was published
+``singleton_tasks_replaced_total``          runs replaced in line by a newer send
+                                            (``on_full="replace"``): they never run
 ``singleton_tasks_evicted_total``           orphaned holders evicted (labelled with the task
                                             whose store call evicted them: same scope)
 ``singleton_tasks_taken_over_total``        admissions over a holder whose lease lapsed
@@ -79,6 +81,9 @@ class SingletonMetrics:
         self.rejected = counter("rejected", "Singleton enqueues rejected: the key's queue was full.")
         self.dropped = counter(
             "dropped", "Singleton sends dropped (on_full='drop'): the key's queue was full."
+        )
+        self.replaced = counter(
+            "replaced", "Singleton runs replaced in line by a newer send (on_full='replace'): they never run."
         )
         self.evicted = counter("evicted", "Orphaned holders evicted after their lease lapsed.")
         self.taken_over = counter("taken_over", "Admissions that took over a holder whose lease lapsed.")
@@ -225,6 +230,13 @@ def observe_dropped(task: str) -> None:
         metrics.of(metrics.dropped, task).inc()
 
 
+def observe_replaced(task: str) -> None:
+    """A send took the place in line of the key's newest waiter (``on_full="replace"``)."""
+    metrics = active()
+    if metrics is not None:
+        metrics.of(metrics.replaced, task).inc()
+
+
 def observe_evicted(task: str, count: int = 1) -> None:
     """``count`` orphaned holders were evicted by a store call made for ``task``."""
     metrics = active()
@@ -292,5 +304,6 @@ __all__ = [
     "observe_rejected",
     "observe_release",
     "observe_released",
+    "observe_replaced",
     "observe_woken",
 ]

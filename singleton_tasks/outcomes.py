@@ -22,6 +22,8 @@ class RunSpec:
     #: The longest a live waiter's copy may take to show up again: its worker's longest
     #: re-check delay. A waiter owning a slot, unseen for ``orphan_timeout + recheck``, is issued again.
     recheck: float = DEFAULT_MAX_RETRY_DELAY + DEFAULT_RETRY_JITTER
+    #: Over the cap, take the newest waiter's place instead of answering FULL (``on_full="replace"``).
+    replace_when_full: bool = False
 
 
 class Registered(enum.Enum):
@@ -30,12 +32,16 @@ class Registered(enum.Enum):
     REGISTERED = "registered"  # a new pending waiter
     EXISTS = "exists"  # the run id is already registered: a no-op (docs/concepts.md#keys-vs-run-ids)
     FULL = "full"  # over limit + max_queue_depth: nothing written (docs/concepts.md#backlog-cap)
+    #: Over the cap, the new run took the newest waiter's place in line; that run is settled and
+    #: never runs (``replace_when_full``; docs/concepts.md#backlog-cap).
+    REPLACED = "replaced"
 
 
 @dataclass(frozen=True)
 class RegisterOutcome:
     status: Registered
     in_flight: int  # holders + waiters of the key after the call
+    replaced: str | None = None  # REPLACED: the run id whose place the new run took
 
 
 class Decision(enum.Enum):

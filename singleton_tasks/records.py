@@ -155,6 +155,10 @@ class KeyTransaction(abc.ABC):
         """Up to ``count`` waiters with ``seq > after_seq``, in registration order."""
 
     @abc.abstractmethod
+    def newest_waiter(self) -> RunRecord | None:
+        """The waiter registered last (the highest ``seq`` not holding a slot), or None."""
+
+    @abc.abstractmethod
     def waiters_before(self, seq: int) -> int:
         """How many waiters registered before ``seq``."""
 

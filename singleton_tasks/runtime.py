@@ -195,6 +195,7 @@ class Gatekeeper:
             lease=config.lease if config.lease is not None else self.options.lease,
             orphan_timeout=None if orphan is None or orphan == DISABLED else float(orphan),
             recheck=self.options.recheck,
+            replace_when_full=config.on_full == "replace",
         )
 
     def spec(
@@ -226,7 +227,9 @@ class Gatekeeper:
         full_error: type[SingletonQueueFullError] = SingletonQueueFullError,
     ) -> RegisterOutcome:
         """Enqueue: register a pending waiter; a full key raises ``full_error`` or, with
-        ``on_full="drop"``, returns the FULL outcome (nothing written). StoreUnavailableError passes.
+        ``on_full="drop"``, returns the FULL outcome (nothing written). With ``on_full="replace"``
+        the run takes the newest waiter's place (REPLACED), or, with no waiter to replace, is
+        dropped as with ``"drop"``. StoreUnavailableError passes.
 
         Arguments:
             bound: The task's declaration (its name goes into errors and metrics).
@@ -244,14 +247,25 @@ class Gatekeeper:
             raise StoreUnavailableError(
                 f"{bound.task_name} run {spec.run_id} (key {spec.key!r}) not enqueued: {error}"
             ) from error
+        if outcome.status is Registered.REPLACED:
+            metrics.observe_replaced(bound.task_name)
+            logger.info(
+                "%s run %s replaced run %s in line for key %r (on_full='replace')",
+                bound.task_name,
+                spec.run_id,
+                outcome.replaced,
+                spec.key,
+            )
+            return outcome
         if outcome.status is Registered.FULL:
-            if bound.config.on_full == "drop":
+            if bound.config.on_full != "raise":  # "drop", or "replace" with no waiter to replace
                 metrics.observe_dropped(bound.task_name)
                 logger.info(
-                    "dropped %s run %s: key %r is full (on_full='drop')",
+                    "dropped %s run %s: key %r is full (on_full=%r)",
                     bound.task_name,
                     spec.run_id,
                     spec.key,
+                    bound.config.on_full,
                 )
                 return outcome
             metrics.observe_rejected(bound.task_name)

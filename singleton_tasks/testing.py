@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import threading
 import uuid
 from collections.abc import Callable, Sequence
 
@@ -88,6 +89,7 @@ def spec(
     lease: float = 60.0,
     orphan: float | None = 600.0,
     recheck: float = 0.0,
+    replace: bool = False,
 ) -> RunSpec:
     """A run's spec; ``recheck`` (the worker's longest re-check delay) is 0 unless a test needs it,
     so a slot owner unseen for ``orphan`` seconds is issued again."""
@@ -100,6 +102,7 @@ def spec(
         lease=lease,
         orphan_timeout=orphan,
         recheck=recheck,
+        replace_when_full=replace,
     )
 
 
@@ -323,6 +326,116 @@ class _OrderRules(_Contract):
         accepted = at(store, T0 + 54).register(runs[-1])
         assert (accepted.status, accepted.in_flight) == (Registered.REGISTERED, 2 + depth)
         assert at(store, T0 + 55).register(spec("one-more", limit=2, depth=depth)).status is Registered.FULL
+
+    # -- on_full="replace" (docs/concepts.md#backlog-cap) ------------------------------------------
+
+    def test_replace_takes_the_newest_waiters_place_and_its_copies_are_stale(
+        self, make_store: StoreFactory
+    ) -> None:
+        store = make_store()
+        h, w1, w2 = spec("h", depth=2), spec("w1", depth=2), spec("w2", depth=2)
+        h_token = admitted(store, h, 0, T0)
+        registered(store, w1, T0 + 1, payload=b"w1")
+        gated(store, w1, 0, T0 + 1, position=1)
+        registered(store, w2, T0 + 2, payload=b"w2")
+        w2_deferred = gated(store, w2, 0, T0 + 3, b"w2", position=2).generation
+        assert w2_deferred is not None
+        new = spec("new", depth=2, replace=True)
+        outcome = at(store, T0 + 4).register(new, payload=b"new", confirmed=False)
+        assert (outcome.status, outcome.in_flight, outcome.replaced) == (Registered.REPLACED, 3, "w2")
+        assert holders(store, T0 + 4) == ["h"]
+        assert waiters(store, T0 + 4) == ["w1", "new"]  # the new run stands where w2 stood
+        # Every copy of the replaced run is dropped, however late; it is settled, not lost.
+        stale(store, w2, 0, T0 + 5)
+        stale(store, w2, w2_deferred, T0 + 5)
+        stale(store, w2, -1, T0 + 5)  # a duplicate start's copy
+        assert at(store, T0 + 6).register(w1).status is Registered.EXISTS  # a start of a run in line
+        assert at(store, T0 + 6).register(spec("w1", depth=2, replace=True)).status is Registered.EXISTS
+        assert waiters(store, T0 + 6) == ["w1", "new"]
+        # The new run keeps the order: it is woken after w1, and runs.
+        assert at(store, T0 + 7).confirm(SCOPE, KEY, "new")
+        new_deferred = gated(store, new, 0, T0 + 8, b"new", position=2).generation
+        assert new_deferred is not None
+        wake = the_wake(at(store, T0 + 9).release(SCOPE, KEY, "h", token=h_token).wakes, "w1")
+        w1_token = admitted(store, w1, wake.generation, T0 + 10)
+        wake = the_wake(at(store, T0 + 11).release(SCOPE, KEY, "w1", token=w1_token).wakes, "new")
+        assert wake.payload == b"new"
+        new_token = admitted(store, new, wake.generation, T0 + 12)
+        assert at(store, T0 + 13).release(SCOPE, KEY, "new", token=new_token).released
+        assert one_key(store, T0 + 13) is None
+
+    def test_replace_twice_keeps_one_place_and_the_latest_run(self, make_store: StoreFactory) -> None:
+        """``limit=1, max_queue_depth=1``: one running and one queued, with the latest arguments."""
+        store = make_store()
+        runs = [spec(f"r{i}", depth=1, replace=True) for i in range(5)]
+        token = admitted(store, runs[0], 0, T0)
+        registered(store, runs[1], T0 + 1, payload=b"1")
+        for i in range(2, 5):
+            outcome = at(store, T0 + i).register(runs[i], payload=str(i).encode())
+            assert (outcome.status, outcome.in_flight, outcome.replaced) == (
+                Registered.REPLACED,
+                2,
+                f"r{i - 1}",
+            )
+        assert (holders(store, T0 + 5), waiters(store, T0 + 5)) == (["r0"], ["r4"])
+        for i in range(1, 4):
+            stale(store, runs[i], 0, T0 + 6)
+        gated(store, runs[4], 0, T0 + 6, position=1)  # the copy keeps the registered payload
+        wake = the_wake(at(store, T0 + 7).release(SCOPE, KEY, "r0", token=token).wakes, "r4")
+        assert wake.payload == b"4"
+        admitted(store, runs[4], wake.generation, T0 + 8)
+
+    def test_replace_skips_registrations_never_published(self, make_store: StoreFactory) -> None:
+        store = make_store()
+        admitted(store, spec("h", depth=1), 0, T0)
+        registered(store, spec("w", depth=1), T0 + 1, payload=b"w")
+        registered(store, spec("unpublished"), T0 + 2, confirmed=False)  # no cap: over it
+        later = T0 + 2 + Timings().registration_grace + 1
+        outcome = at(store, later).register(spec("new", depth=1, replace=True), payload=b"new")
+        assert (outcome.status, outcome.in_flight, outcome.replaced) == (Registered.REPLACED, 2, "w")
+        assert (holders(store, later), waiters(store, later)) == (["h"], ["new"])
+
+    def test_replace_with_no_waiter_to_replace_is_full(self, make_store: StoreFactory) -> None:
+        """Holders alone over the cap (the limit was lowered): nothing is written."""
+        store = make_store()
+        for name in ("h1", "h2", "h3"):
+            admitted(store, spec(name, limit=3), 0, T0)
+        before = at(store, T0 + 1).snapshot()
+        outcome = at(store, T0 + 1).register(spec("new", limit=1, depth=1, replace=True), payload=b"new")
+        assert (outcome.status, outcome.in_flight, outcome.replaced) == (Registered.FULL, 3, None)
+        assert at(store, T0 + 1).snapshot() == before
+
+    def test_racing_replaces_leave_exactly_limit_plus_depth_runs(self, make_store: StoreFactory) -> None:
+        store = make_store()
+        limit, depth, threads, rounds = 2, 2, 8, 3
+        start = threading.Barrier(threads)
+        outcomes: list[tuple[str, Registered, str | None]] = []
+        errors: list[BaseException] = []
+
+        def producer(index: int) -> None:
+            try:
+                start.wait()
+                for i in range(rounds):
+                    run = spec(f"t{index}-{i}", limit=limit, depth=depth, replace=True)
+                    got = at(store, T0).register(run, payload=run.run_id.encode())
+                    outcomes.append((run.run_id, got.status, got.replaced))
+            except BaseException as error:  # reported below
+                errors.append(error)
+
+        pool = [threading.Thread(target=producer, args=(i,)) for i in range(threads)]
+        for thread in pool:
+            thread.start()
+        for thread in pool:
+            thread.join()
+        assert errors == []
+        statuses = [status for _, status, _ in outcomes]
+        assert statuses.count(Registered.REGISTERED) == limit + depth
+        assert statuses.count(Registered.REPLACED) == threads * rounds - (limit + depth)
+        replaced = [old for _, status, old in outcomes if status is Registered.REPLACED]
+        assert len(set(replaced)) == len(replaced)  # each run is replaced at most once
+        in_line = waiters(store, T0)
+        assert len(in_line) == limit + depth
+        assert set(in_line) == {run_id for run_id, _, _ in outcomes} - set(replaced)
 
     def test_unbounded_backlog_by_default(self, make_store: StoreFactory) -> None:
         store = make_store()

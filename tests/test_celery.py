@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 from celery import Celery, chain, group, shared_task
 from celery.contrib.testing.worker import start_worker
-from celery.exceptions import Ignore, MaxRetriesExceededError
+from celery.exceptions import Ignore, MaxRetriesExceededError, TaskRevokedError
 from celery.result import AsyncResult
 from celery.worker import state as worker_state
 from conftest import StoreFactory, backend_params
@@ -357,6 +357,42 @@ def test_wait_seconds_times_each_admitted_run_from_its_send(
     assert sample("singleton_tasks_wait_seconds_count") == 2  # every admitted run is timed
     total = sample("singleton_tasks_wait_seconds_sum")
     assert total is not None and 0.4 <= total <= waited + 0.2  # mostly the second's wait behind the first
+
+
+def test_on_full_replace_runs_the_first_and_the_last_of_a_burst(
+    store: Store, journal: Journal, metrics_registry: CollectorRegistry
+) -> None:
+    """``limit=1, max_queue_depth=1, on_full="replace"``: one running and one queued, with the
+    latest arguments; the replaced runs' results are REVOKED."""
+    app = make_app(store)
+    name = unique()
+    gate_open = threading.Event()
+
+    @singleton(key="store:{store_id}", max_queue_depth=1, on_full="replace")
+    @app.task(name=name, shared=False)
+    def sync_inventory(store_id: str, label: str) -> str:
+        with journal.body(label, store_id):
+            assert gate_open.wait(10)
+        return label
+
+    with worker(app):
+        first = sync_inventory.delay("S", "r0")
+        wait_for(lambda: bool(journal.get("r0")), what="r0 to start")
+        burst = [sync_inventory.delay("S", f"r{i}") for i in range(1, 11)]
+        assert runs_of(store) == [first.id, burst[-1].id]  # one running, the latest one waiting
+        for replaced in burst[:-1]:
+            with pytest.raises(TaskRevokedError, match=r"replaced by run .* \(on_full='replace'\)"):
+                replaced.get(interval=0.01, timeout=10)
+            assert replaced.state == "REVOKED"
+        gate_open.set()
+        assert [first.get(interval=0.01, timeout=10), burst[-1].get(interval=0.01, timeout=10)] == [
+            "r0",
+            "r10",
+        ]
+        wait_for(lambda: runs_of(store) == [], what="the key to empty")
+    replaced_total = metrics_registry.get_sample_value("singleton_tasks_replaced_total", {"task": name})
+    assert replaced_total == 9
+    assert journal.labels() == ["r0", "r10"] and journal.overlaps == []
 
 
 def test_on_full_drop_while_the_key_only_has_holders_returns_the_newest_holders_result(

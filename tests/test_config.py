@@ -89,8 +89,8 @@ def test_dict_form_names_the_task() -> None:
     assert SingletonConfig.coerce({"key": "k", "limit": 2}, task_name="t").limit == 2
 
 
-@pytest.mark.parametrize("on_full", ["replace", "Drop", "", None, True, 0])
-def test_on_full_is_raise_or_drop_and_a_bad_value_names_the_task(on_full: Any) -> None:
+@pytest.mark.parametrize("on_full", ["Replace", "Drop", "", None, True, 0])
+def test_on_full_is_raise_drop_or_replace_and_a_bad_value_names_the_task(on_full: Any) -> None:
     with pytest.raises(SingletonConfigError, match=rf"tasks\.sync: singleton on_full .* got {on_full!r}"):
         SingletonConfig.coerce({"key": "k", "max_queue_depth": 1, "on_full": on_full}, task_name="tasks.sync")
     with pytest.raises(SingletonConfigError, match=rf"bad_on_full: singleton on_full .* got {on_full!r}"):
@@ -104,6 +104,28 @@ def test_on_full_defaults_to_raise_and_drop_needs_a_max_queue_depth() -> None:
     assert SingletonConfig(key="k", max_queue_depth=0, on_full="drop").on_full == "drop"
     with pytest.raises(SingletonConfigError, match=r"tasks\.sync: .*on_full='drop' needs a max_queue_depth"):
         SingletonConfig.coerce({"key": "k", "on_full": "drop"}, task_name="tasks.sync")
+
+
+def test_replace_needs_a_max_queue_depth_of_one_or_more() -> None:
+    assert SingletonConfig(key="k", max_queue_depth=1, on_full="replace").on_full == "replace"
+    with pytest.raises(
+        SingletonConfigError, match=r"tasks\.sync: .*on_full='replace' needs a max_queue_depth"
+    ):
+        SingletonConfig.coerce({"key": "k", "on_full": "replace"}, task_name="tasks.sync")
+    with pytest.raises(
+        SingletonConfigError,
+        match=r"tasks\.sync: .*on_full='replace' with max_queue_depth=0: there is never a waiter to replace; "
+        r"use on_full='drop'",
+    ):
+        SingletonConfig.coerce(
+            {"key": "k", "max_queue_depth": 0, "on_full": "replace"}, task_name="tasks.sync"
+        )
+    with pytest.raises(
+        SingletonConfigError, match=r"replace_nothing: .*on_full='replace' with max_queue_depth=0"
+    ):
+
+        @singleton(key="k", max_queue_depth=0, on_full="replace")
+        def replace_nothing() -> None: ...
 
 
 # ---------------------------------------------------------------------------- templates at declaration

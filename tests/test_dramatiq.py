@@ -393,6 +393,25 @@ def test_on_full_drop_runs_the_first_limit_plus_depth_of_a_burst(
     assert env.journal.started()[-1] == "after"
 
 
+def test_on_full_replace_runs_the_first_and_the_last_of_a_burst(make_env: Callable[..., Env]) -> None:
+    """``limit=1, max_queue_depth=1, on_full="replace"``: one running and one queued, with the
+    latest arguments; the replaced runs' messages are published and dropped as stale."""
+    env = make_env()
+    job = env.job(singleton={"key": "{key}", "max_queue_depth": 1, "on_full": "replace"})
+    env.start()
+    env.hold("p0")
+    first = job.send("A", "p0")
+    env.journal.wait(lambda: env.journal.started() == ["p0"])
+    burst = [job.send("A", f"p{i}") for i in range(1, 11)]
+    (snap,) = env.keys()
+    assert [h.run_id for h in snap.holders] == [first.message_id]
+    assert [w.run_id for w in snap.waiters] == [burst[-1].message_id]  # the latest send waits
+    env.let_go("p0")
+    env.join()
+    assert env.journal.started() == ["p0", "p10"]
+    assert env.keys() == []
+
+
 # -- notify on release -----------------------------------------------------------------------
 def test_release_wakes_the_next_waiter_without_the_timer(make_env: Callable[..., Env]) -> None:
     # With a 30 s fallback delay every waiter depending on the timer would take >= 29.75 s.

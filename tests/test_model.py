@@ -265,7 +265,10 @@ class Model:
             return RegisterOutcome(Registered.EXISTS, len(k.runs))
         gone = self.never_published(k, now)
         in_flight = len(k.runs) - len(gone)
-        if spec.max_queue_depth is not None and in_flight >= spec.limit + spec.max_queue_depth:
+        full = spec.max_queue_depth is not None and in_flight >= spec.limit + spec.max_queue_depth
+        # on_full="replace": the newest waiter that was published gives its place in line up.
+        replaceable = [r for r in k.line() if r not in gone] if full and spec.replace_when_full else []
+        if full and not replaceable:
             return RegisterOutcome(Registered.FULL, in_flight)
         for run in gone:
             k.remove(run.run_id)
@@ -285,6 +288,12 @@ class Model:
             payload=payload,
         )
         run.seen(now, delay)
+        if replaceable:
+            old = replaceable[-1]
+            k.runs[k.runs.index(old)] = run
+            k.settled[old.run_id] = (-2, now + RETENTION)  # a generation no copy carries
+            self.finish(k, now)
+            return RegisterOutcome(Registered.REPLACED, in_flight, replaced=old.run_id)
         k.runs.append(run)
         self.finish(k, now)
         return RegisterOutcome(Registered.REGISTERED, in_flight + 1)
@@ -563,6 +572,7 @@ class GateMachine(RuleBasedStateMachine):
         self.present: dict[tuple[str, str], bool] = {}  # runs in the last snapshot: True if holding
         self.registered: dict[tuple[str, str], int] = {}  # a live run's place in registration order
         self.registrations = 0
+        self.replaced: list[tuple[str, str]] = []  # runs replaced in line (on_full="replace")
         self.admitted: set[tuple[str, str]] = set()  # runs admitted from the line in this life
         self.from_the_line: list[tuple[str, str]] = []  # admitted by the last step
         self.contact: dict[tuple[str, str], float] = {}  # when a copy of a waiter was due last
@@ -570,10 +580,10 @@ class GateMachine(RuleBasedStateMachine):
     def run_id(self, key: str, number: int) -> str:
         return f"{self.tag}-{sorted(KEYS).index(key)}-{number}"
 
-    def spec(self, key: str, run_id: str, depth: int | None = None) -> RunSpec:
+    def spec(self, key: str, run_id: str, depth: int | None = None, replace: bool = False) -> RunSpec:
         config = KEYS[key]
         return RunSpec(
-            self.scope, key, run_id, config.limit, depth, config.lease, config.orphan, config.recheck
+            self.scope, key, run_id, config.limit, depth, config.lease, config.orphan, config.recheck, replace
         )
 
     def a_new_life(self, key: str, run_id: str, copy_due: float) -> None:
@@ -644,19 +654,32 @@ class GateMachine(RuleBasedStateMachine):
         confirmed=st.booleans(),
         with_payload=st.booleans(),
         delay=st.sampled_from(DELAYS),
+        replace=st.booleans(),
     )
     def register(
-        self, key: str, number: int, depth: int | None, confirmed: bool, with_payload: bool, delay: float
+        self,
+        key: str,
+        number: int,
+        depth: int | None,
+        confirmed: bool,
+        with_payload: bool,
+        delay: float,
+        replace: bool,
     ) -> None:
-        spec = self.spec(key, self.run_id(key, number), depth)
+        spec = self.spec(key, self.run_id(key, number), depth, replace)
         self.step += 1
         payload = f"{spec.run_id}@{self.step} registered\0".encode() if with_payload else None
         got = self.at().register(spec, payload=payload, delay=delay, confirmed=confirmed)
         expected = self.model.register(spec, payload, delay, self.now, confirmed)
-        self.agree(f"register {spec.run_id} depth={depth} delay={delay}", got, expected)
+        self.agree(f"register {spec.run_id} depth={depth} delay={delay} replace={replace}", got, expected)
         event(f"register {got.status.value}")
         if got.status is Registered.REGISTERED:
             self.a_new_life(key, spec.run_id, self.now + delay)
+        if got.status is Registered.REPLACED and got.replaced is not None:
+            self.a_new_life(key, spec.run_id, self.now + delay)
+            # The new run stands in the replaced run's place in line.
+            self.registered[(key, spec.run_id)] = self.registered[(key, got.replaced)]
+            self.replaced.append((key, got.replaced))
 
     def a_registered_run(self, data: st.DataObject) -> tuple[str, str]:
         runs = [(key, r.run_id) for key, k in sorted(self.model.keys.items()) for r in k.runs]
@@ -677,6 +700,14 @@ class GateMachine(RuleBasedStateMachine):
         behind = [(key, r.run_id) for key, k in sorted(self.model.keys.items()) for r in k.line()[1:]]
         key, run_id = data.draw(st.sampled_from(behind), label="run")
         self.claim_as(key, run_id, self.latest.get((key, run_id), 0), b"payload")
+
+    @precondition(lambda self: bool(self.replaced))
+    @rule(data=st.data())
+    def deliver_a_replaced_copy(self, data: st.DataObject) -> None:
+        """A copy of a run replaced in line (``on_full="replace"``) arrives: it never runs."""
+        key, run_id = data.draw(st.sampled_from(self.replaced), label="replaced run")
+        generation = data.draw(st.sampled_from([0, self.latest.get((key, run_id), 0)]), label="generation")
+        self.claim_as(key, run_id, generation, b"payload")
 
     @precondition(lambda self: any(k.runs for k in self.model.keys.values()))
     @rule(data=st.data(), with_payload=st.booleans())

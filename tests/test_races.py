@@ -105,16 +105,20 @@ def mutex_process(
     out.put(([a for admissions in results for a in admissions], errors))
 
 
-def cap_process(url: str, namespace: str, key: str, depth: int, process: int, barrier: Any, out: Any) -> None:
+def cap_process(
+    url: str, namespace: str, key: str, depth: int, replace: bool, process: int, barrier: Any, out: Any
+) -> None:
     store = store_from_url(url, namespace=namespace)
     store.snapshot(scope=SCOPE, key=key)
 
-    def body(thread: int) -> list[str]:
-        statuses = []
+    def body(thread: int) -> list[tuple[str, str, str | None]]:
+        outcomes = []
         for i in range(ROUNDS):
-            spec = RunSpec(SCOPE, key, f"p{process}-t{thread}-{i}", limit=2, max_queue_depth=depth)
-            statuses.append(store.register(spec).status.value)
-        return statuses
+            run_id = f"p{process}-t{thread}-{i}"
+            spec = RunSpec(SCOPE, key, run_id, limit=2, max_queue_depth=depth, replace_when_full=replace)
+            outcome = store.register(spec)
+            outcomes.append((run_id, outcome.status.value, outcome.replaced))
+        return outcomes
 
     try:
         results, errors = _in_threads(body, barrier)
@@ -169,16 +173,27 @@ def test_limit_holds_across_processes_and_threads(
 
 
 @real_backends
+@pytest.mark.parametrize("on_full", ["raise", "replace"])
 @pytest.mark.timeout(180)
-def test_cap_holds_across_processes_and_threads(store_factory: Callable[..., Store], store_url: str) -> None:
+def test_cap_holds_across_processes_and_threads(
+    store_factory: Callable[..., Store], store_url: str, on_full: str
+) -> None:
+    """Over the cap a send is refused, or (``on_full="replace"``) replaces the newest waiter: the
+    key holds exactly ``limit + max_queue_depth`` runs either way."""
     namespace = f"cap{uuid.uuid4().hex[:10]}"
     parent = store_factory(namespace=namespace)
     key, depth = "capped key", 5
-    reports = run_processes(cap_process, (store_url, namespace, key, depth))
+    reports = run_processes(cap_process, (store_url, namespace, key, depth, on_full == "replace"))
     assert [e for _, errs in reports for e in errs] == []
-    statuses = [s for got, _ in reports for s in got]
+    outcomes = [o for got, _ in reports for o in got]
+    statuses = [status for _, status, _ in outcomes]
     assert len(statuses) == PROCESSES * THREADS * ROUNDS
     assert statuses.count("registered") == 2 + depth
-    assert statuses.count("full") == len(statuses) - (2 + depth)
+    over = "replaced" if on_full == "replace" else "full"
+    assert statuses.count(over) == len(statuses) - (2 + depth)
+    replaced = [old for _, _, old in outcomes if old is not None]
+    assert len(set(replaced)) == len(replaced)  # each run replaced at most once
     snaps = parent.snapshot(scope=SCOPE, key=key)
     assert len(snaps) == 1 and len(snaps[0].waiters) == 2 + depth
+    in_line = {run_id for run_id, status, _ in outcomes if status != "full"} - set(replaced)
+    assert {w.run_id for w in snaps[0].waiters} == in_line

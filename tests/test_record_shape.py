@@ -38,7 +38,7 @@ KEY_COLUMNS = {"namespace", "scope", "key"}
 #: How the SQL stores name KeyMeta's fields (``limit`` is a reserved word in SQL).
 SQL_KEY_META_COLUMNS = {"limit": "slot_limit"}
 #: The SQL statements that read whole runs, and how many columns of other tables come first.
-RUN_SELECTS = {"get_run": 0, "key_summary": 1, "waiters_from": 0, "snapshot": 5}
+RUN_SELECTS = {"get_run": 0, "key_summary": 1, "waiters_from": 0, "newest_waiter": 0, "snapshot": 5}
 
 
 def run_columns() -> set[str]:
@@ -289,6 +289,7 @@ def test_a_record_comes_back_as_it_was_saved(store_factory: StoreFactory) -> Non
         assert tx.meta() == meta
         assert tx.holders() == [holder]
         assert tx.waiters_from(0, 10) == [waiter]
+        assert tx.newest_waiter() == waiter
         assert tx.get_run("held") == holder
         assert tx.get_run("waits") == waiter
         idle = KeyMeta(token=meta.token, seq=0, limit=meta.limit, idle_until=4_000_000_000.25, due_at=None)

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from singleton_tasks import (
     SchemaVersionError,
@@ -20,6 +21,7 @@ from singleton_tasks import (
     SingletonQueueFullError,
     StoreUnavailableError,
     heartbeat,
+    metrics,
     store_from_url,
 )
 from singleton_tasks.config import BoundSingleton
@@ -352,3 +354,39 @@ def test_a_dropped_send_is_counted_logged_and_names_the_run_last_in_line(
     gatekeeper.store.release("tasks.t", "k", "r0", token=gatekeeper.store.snapshot()[0].holders[0].token)
     assert gatekeeper.newest_run(runs[2]) is None  # the key emptied
     assert Gatekeeper(_SnapshotFails()).newest_run(runs[2]) is None  # the store cannot tell now
+
+
+def test_a_replacing_send_is_counted_logged_and_drops_when_no_waiter_is_left(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    registry = CollectorRegistry()
+    saved = (metrics._active, metrics._disabled)
+    metrics.install(registry)
+    gatekeeper = Gatekeeper(store_from_url(memory()))
+    replace = bound(max_queue_depth=1, on_full="replace")
+    runs = [gatekeeper.spec(replace, f"r{i}", (), {}) for i in range(3)]
+    assert all(run.replace_when_full for run in runs)  # the task's on_full reaches the store
+    try:
+        for run in runs[:2]:
+            assert gatekeeper.register(replace, run).status is Registered.REGISTERED
+        with caplog.at_level(logging.INFO, logger="singleton_tasks"):
+            outcome = gatekeeper.register(replace, runs[2])
+        assert (outcome.status, outcome.replaced) == (Registered.REPLACED, "r1")
+        assert "tasks.t run r2 replaced run r1 in line for key 'k' (on_full='replace')" in caplog.text
+        # Holders alone over the cap (a lowered limit): no waiter to replace, dropped as "drop" does.
+        assert gatekeeper.store.claim(runs[0], 0, None).decision is Decision.ADMITTED
+        assert gatekeeper.store.release("tasks.t", "k", "r2", token=None).released
+        wider = dataclasses.replace(runs[2], run_id="wide", limit=2, max_queue_depth=None)
+        assert gatekeeper.store.claim(wider, 0, None).decision is Decision.ADMITTED
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="singleton_tasks"):
+            # Two holders (r0, wide) over a limit of 1, and no waiter.
+            late = gatekeeper.spec(replace, "r3", (), {})
+            assert gatekeeper.register(replace, late).status is Registered.FULL  # no error
+        assert "dropped tasks.t run r3: key 'k' is full (on_full='replace')" in caplog.text
+        replaced = registry.get_sample_value("singleton_tasks_replaced_total", {"task": "tasks.t"})
+        dropped = registry.get_sample_value("singleton_tasks_dropped_total", {"task": "tasks.t"})
+    finally:
+        metrics._active, metrics._disabled = saved
+        gatekeeper.close()
+    assert (replaced, dropped) == (1, 1)

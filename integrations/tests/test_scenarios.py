@@ -770,3 +770,31 @@ def test_a_burst_over_the_cap_runs_the_first_limit_plus_depth_and_drops_the_rest
         "a dropped send was published"
     )
     h.check()
+
+
+# -- 13. on_full="replace" ---------------------------------------------------------------------------
+@pytest.mark.timeout(120)
+def test_a_burst_while_the_first_runs_replaces_the_waiter_and_runs_the_first_and_the_last(
+    harness: Callable[..., Harness], framework: str, broker: str
+) -> None:
+    """Task ``latest`` (limit 1, ``max_queue_depth=1``, ``on_full="replace"``): while its first run
+    runs, a burst of 19 sends of the key raises nothing, each replacing the one before in line;
+    exactly the first and the last run, once each, in order. The replaced runs' copies are
+    delivered and dropped, never run."""
+    assert SINGLETON_TASKS["latest"] == (1, 1)
+    h = harness("replace", framework, broker, "redis")
+    h.workers.start(1)
+    first = h.producer.send("latest", "R", duration=3.0, item=0)
+    started(h, first.run_id)
+    burst = [h.producer.send("latest", "R", duration=0.2, item=i) for i in range(1, 20)]
+    assert all(r.accepted for r in burst), "a replacing send raised"
+    (snap,) = store_snapshots(h.settings.store_url, h.settings.namespace)
+    assert [x.run_id for x in snap.holders] == [first.run_id]
+    assert [w.run_id for w in snap.waiters] == [burst[-1].run_id], "the latest send is not the one waiting"
+    replaced = {r.run_id for r in burst[:-1]}
+    h.producer.mark_dropped(replaced, error="replaced")
+    wait_all_completed(h.log, h.settings.run, [first.run_id, burst[-1].run_id], timeout=60, workers=h.workers)
+    assert ran_once_in_line(h, [first.run_id, burst[-1].run_id])
+    time.sleep(1.0)  # a replaced run's copies have been delivered (and dropped) by now
+    assert not any(h.log.bodies(h.settings.run, run_id) for run_id in replaced), "a replaced run ran"
+    h.check()

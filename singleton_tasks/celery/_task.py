@@ -202,6 +202,8 @@ class SingletonTask(Task):  # type: ignore[misc]
         )
         result = self._publish_registered(gatekeeper, spec, publish, held_back, outcome.in_flight)
         self._after_publish(gatekeeper, spec, held_back)
+        if outcome.replaced is not None:
+            self._mark_replaced(outcome.replaced, run_id)
         return result
 
     def _register_unconfirmed(
@@ -252,6 +254,23 @@ class SingletonTask(Task):  # type: ignore[misc]
         except BaseException:
             undo_registration(gatekeeper, spec, self.name)
             raise
+
+    def _mark_replaced(self, replaced: str, run_id: str) -> None:
+        """The run this send replaced in line never runs: its result is REVOKED, so a ``.get()``
+        on it raises instead of waiting (docs/celery.md#replaced-sends). Best effort: the send
+        itself is done."""
+        if self.ignore_result:
+            return
+        try:
+            self.backend.mark_as_revoked(replaced, reason=f"replaced by run {run_id} (on_full='replace')")
+        except Exception:
+            logger.warning(
+                "%s run %s replaced run %s, whose result could not be set to REVOKED",
+                self.name,
+                run_id,
+                replaced,
+                exc_info=True,
+            )
 
     def _after_publish(self, gatekeeper: Gatekeeper, spec: RunSpec, held_back: bool) -> None:
         """Confirm a published registration, or park one published held back."""

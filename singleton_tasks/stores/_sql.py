@@ -387,6 +387,12 @@ class SQLKeyTransaction(KeyTransaction):
         columns = self._cursor.columns()
         return [self._keep(_record(columns, row, self._load)).copy() for row in rows]
 
+    def newest_waiter(self) -> RunRecord | None:
+        if not self._waiters_exist():
+            return None
+        row = self._cursor.one("newest_waiter", self._key)
+        return None if row is None else self._keep(_record(self._cursor.columns(), row, self._load)).copy()
+
     def waiters_before(self, seq: int) -> int:
         if not self._waiters_exist():
             return 0

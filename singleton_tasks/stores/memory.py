@@ -171,6 +171,10 @@ class _MemoryTransaction(KeyTransaction):
         start = bisect.bisect_right(order, (after_seq, "\U0010ffff"))
         return [self._data.runs[run_id].copy() for _seq, run_id in order[start : start + count]]
 
+    def newest_waiter(self) -> RunRecord | None:
+        order = self._data.order
+        return self._data.runs[order[-1][1]].copy() if order else None
+
     def waiters_before(self, seq: int) -> int:
         return bisect.bisect_left(self._data.order, (seq, ""))
 

@@ -264,7 +264,7 @@ class RedisStore(RedisPlumbing):
         limit, lease, orphan_timeout, recheck = lua.spec_args(
             spec.limit, spec.lease, spec.orphan_timeout, spec.recheck
         )
-        status, in_flight = self._key_op(
+        status, in_flight, *replaced = self._key_op(
             "register",
             spec.scope,
             spec.key,
@@ -278,8 +278,11 @@ class RedisStore(RedisPlumbing):
             b"0" if payload is None else b"1",
             b"" if payload is None else bytes(payload),
             lua.time_arg(delay),
+            b"1" if spec.replace_when_full else b"0",
         )
-        return RegisterOutcome(lua.REGISTERED[status], int(in_flight))
+        return RegisterOutcome(
+            lua.REGISTERED[status], int(in_flight), replaced=lua.from_text(replaced[0]) if replaced else None
+        )
 
     def confirm(self, scope: str, key: str, run_id: str) -> bool:
         return bool(self._key_op("confirm", scope, key, run_id))

@@ -447,6 +447,22 @@ local function count_runs()
   return zcard(K.waiters) + zcard(K.holders)
 end
 
+-- The waiter registered last: the highest seq not holding a slot, or nil. A phantom met on the
+-- way is removed.
+local function newest_waiter()
+  while true do
+    local ids = redis.call('ZREVRANGE', K.waiters, 0, 0)
+    if #ids == 0 then
+      return nil
+    end
+    local run = load_run(ids[1])
+    if run ~= nil then
+      return run
+    end
+    delete_run(ids[1], nil)
+  end
+end
+
 local function waiters_before(seq)
   return redis.call('ZCOUNT', K.waiters, '-inf', '(' .. int(seq))
 end
@@ -468,6 +484,10 @@ local function settled_generation(run_id, now)
   end
   return nil
 end
+
+-- generations.REPLACED_GENERATION: the settled generation of a run replaced in line; no copy
+-- carries it, so every copy of the run is stale.
+local REPLACED_GENERATION = -2
 
 local function mark_settled(run_id, generation, expires_at)
   redis.call('SET', settled_key(run_id), int(generation) .. ' ' .. num(expires_at), 'PX', ms(K.retention))
@@ -692,13 +712,17 @@ local function finish(meta)
   save_meta(meta)
 end
 
--- gate._new_waiter; payload nil: None.
+-- gate._new_waiter; payload nil: None; seq nil: at the back of the line, else at that place (the
+-- place of a run it replaces).
 local function new_waiter(meta, run_id, now, confirmed, generation, payload, delay, lease, orphan_timeout,
-                          recheck)
-  meta.seq = meta.seq + 1
+                          recheck, seq)
+  if seq == nil then
+    meta.seq = meta.seq + 1
+    seq = meta.seq
+  end
   local run = {
     run_id = run_id,
-    seq = meta.seq,
+    seq = seq,
     state = 'pending',
     created_at = now,
     confirmed = confirmed,

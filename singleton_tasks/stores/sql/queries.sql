@@ -127,6 +127,16 @@ WHERE namespace = :namespace AND scope = :scope AND key = :key AND state <> 'hol
 ORDER BY seq
 LIMIT :count;
 
+-- name: newest_waiter
+-- The waiter registered last (on_full="replace"), on the waiters' partial index.
+SELECT run_id, seq, state, created_at, confirmed, generation, live, payload, token,
+       holder_generation, admitted_at, heartbeat_at, lease_expires_at, executing, lease, orphan_timeout,
+       recheck, seen_at, reissue_at
+FROM singleton_runs
+WHERE namespace = :namespace AND scope = :scope AND key = :key AND state <> 'holding'
+ORDER BY seq DESC
+LIMIT 1;
+
 -- name: waiters_before
 SELECT count(*) FROM singleton_runs
 WHERE namespace = :namespace AND scope = :scope AND key = :key AND state <> 'holding' AND seq < :seq;
