@@ -279,10 +279,13 @@ def test_same_key_never_overlaps_and_starts_in_enqueue_order(make_env: Callable[
     env.start(threads=4)
     a_labels = [f"a{i}" for i in range(8)]
     b_labels = [f"b{i}" for i in range(4)]
+    env.hold("a0")  # A's first body runs until B's first is in: the keys run side by side, whatever the load
     for i in range(8):
         job.send("A", a_labels[i], 0.03)
         if i < 4:
             job.send("B", b_labels[i], 0.03)
+    env.journal.wait(lambda: "b0" in env.journal.started())
+    env.let_go("a0")
     env.join()
     started = env.journal.started()
     assert [label for label in started if label.startswith("a")] == a_labels
