@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .config import Timings
-from .generations import REPLACED_GENERATION, issued_before, issued_in_a_lost_write, next_counter
+from .generations import NO_COPY_GENERATION, issued_before, issued_in_a_lost_write, next_counter
 from .outcomes import (
     ClaimOutcome,
     Decision,
@@ -295,7 +295,7 @@ def register(
     replaced = tx.newest_waiter() if full else None
     if replaced is not None:
         tx.delete_run(replaced.run_id)
-        tx.mark_settled(replaced.run_id, REPLACED_GENERATION, now + timings.retention, now)
+        tx.mark_settled(replaced.run_id, NO_COPY_GENERATION, now + timings.retention, now)
     meta = _meta(tx, now)
     meta.limit = spec.limit
     holders = tx.holders()
@@ -545,7 +545,7 @@ def release(
         settled = (
             run.holder_generation
             if run.state is RunState.HOLDING
-            else (generation if generation is not None else -1)
+            else (generation if generation is not None else NO_COPY_GENERATION)
         )
         tx.mark_settled(run_id, settled, now + timings.retention, now)
         released = True

@@ -13,10 +13,12 @@ import math
 
 from .records import RunRecord
 
-#: The settled generation of a run replaced in line (``on_full="replace"``): no copy carries it
-#: (the producer's copy carries 0, issued copies a clock count, Dramatiq's duplicate starts -1),
-#: so every copy of the run is stale. ``stores/lua/lib.lua`` has it as ``REPLACED_GENERATION``.
-REPLACED_GENERATION = -2
+#: The settled generation of a run none of whose copies may run again: a run replaced in line
+#: (``on_full="replace"``) or a waiter settled without a generation (a revoke, an operator's
+#: release). No copy carries it (the producer's copy carries 0, issued copies a clock count,
+#: Dramatiq's duplicate starts -1), so every copy of the run is stale. ``stores/lua/lib.lua``
+#: has it as ``NO_COPY_GENERATION``.
+NO_COPY_GENERATION = -2
 
 
 def micros(now: float) -> int:

@@ -778,6 +778,7 @@ class _HandoffRules(_Contract):
         assert release.released and release.wakes == ()
         stale(store, spec("w"), generation, T0 + 3)
         stale(store, spec("w"), 0, T0 + 3)
+        stale(store, spec("w"), -1, T0 + 3)  # a duplicate start of the run id (Dramatiq's dead copy)
         assert waiters(store, T0 + 3) == []
 
 

@@ -485,9 +485,9 @@ local function settled_generation(run_id, now)
   return nil
 end
 
--- generations.REPLACED_GENERATION: the settled generation of a run replaced in line; no copy
--- carries it, so every copy of the run is stale.
-local REPLACED_GENERATION = -2
+-- generations.NO_COPY_GENERATION: the settled generation of a run replaced in line or of a
+-- waiter settled without a generation; no copy carries it, so every copy of the run is stale.
+local NO_COPY_GENERATION = -2
 
 local function mark_settled(run_id, generation, expires_at)
   redis.call('SET', settled_key(run_id), int(generation) .. ' ' .. num(expires_at), 'PX', ms(K.retention))

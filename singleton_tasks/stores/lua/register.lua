@@ -43,7 +43,7 @@ if full then
     return { 'full', in_flight }
   end
   delete_run(replaced.run_id, replaced)
-  mark_settled(replaced.run_id, REPLACED_GENERATION, now + K.retention)
+  mark_settled(replaced.run_id, NO_COPY_GENERATION, now + K.retention)
 end
 local meta = load_meta(now) or default_meta()
 meta.limit = limit

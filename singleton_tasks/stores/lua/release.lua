@@ -20,7 +20,7 @@ local run = load_brief(run_id)
 if run == nil and token == nil and not waiting_only and (zrem(K.holders, run_id) + zrem(K.waiters, run_id)) > 0 then
   -- A phantom (its data lost by the server) released by an operator: gone from the indexes.
   redis.call('ZREM', K.unconfirmed, run_id)
-  mark_settled(run_id, generation or -1, now + K.retention)
+  mark_settled(run_id, generation or NO_COPY_GENERATION, now + K.retention)
   local woken = hand_on(meta, now, nil)
   finish(meta)
   return { 1, 0, woken, EVICTED, REMOVED }
@@ -35,7 +35,7 @@ if run == nil or (token ~= nil and (run.state ~= 'holding' or run.token ~= token
   return { 0, lost and 1 or 0, woken, EVICTED, REMOVED }
 end
 delete_run(run_id, run)
-local settled = generation or -1
+local settled = generation or NO_COPY_GENERATION
 if run.state == 'holding' then
   settled = run.holder_generation
 end
