@@ -1,8 +1,8 @@
 """The lanes page in a real browser: Debian's chromium, driven by Selenium through its chromedriver.
 
 ``tox -e browser`` (``pytest -m browser tests/browser``); ``.ci/run`` installs chromium and
-chromium-driver when they are missing. With ``SINGLETON_WEB_SCREENSHOTS=1`` the tests rewrite
-the screenshots in ``docs/_static/`` (otherwise a run leaves the tree as it was).
+chromium-driver when they are missing. With ``SINGLETON_TEST_WEB_SCREENSHOTS=1`` the tests rewrite
+the screenshots in ``docs/screenshots/`` (otherwise a run leaves the tree as it was).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from singleton_tasks.web import create_app
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
-SCREENSHOTS = Path(__file__).parents[2] / "docs" / "_static"
+SCREENSHOTS = Path(__file__).parents[2] / "docs" / "screenshots"
 XSS_KEY = "<img src=x onerror=alert(1)>"
 XSS_TASK = "<b>bold</b>"
 WAIT = 15.0
@@ -130,7 +130,7 @@ def run_button(run_id: str) -> Callable[[WebDriver], WebElement | None]:
 
 
 def screenshot(browser: WebDriver, name: str) -> None:
-    if os.environ.get("SINGLETON_WEB_SCREENSHOTS"):
+    if os.environ.get("SINGLETON_TEST_WEB_SCREENSHOTS"):
         SCREENSHOTS.mkdir(exist_ok=True)
         browser.save_screenshot(str(SCREENSHOTS / name))
 
