@@ -3,8 +3,8 @@
 What one snapshot interval costs: the server's CPU to read the store and build the frame (one
 per interval, however many pages are open), then each open page's slice (a filter, a page of
 50 lanes, its JSON); and the store's load per snapshot (Redis commands and server CPU, from
-``INFO``). The keys are written in a namespace of their own in Redis database 13 and deleted
-after.
+``INFO``, server-wide: run it on a quiet Redis). The keys are written in a namespace of their
+own in the benchmarks' store database and deleted after.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from singleton_tasks.outcomes import RunSpec
 from singleton_tasks.web.lanes import page_of, read_frame
 
 from .__main__ import machine
+from .common import STORE_REDIS_URL
 
-URL = "redis://127.0.0.1:6379/13"
+URL = STORE_REDIS_URL  # the benchmarks' store database (BENCH_STORE_REDIS_URL)
 
 
 def _server_load(client: redis.Redis) -> tuple[int, float]:
