@@ -7,6 +7,8 @@ the marks are applied and checked here rather than remembered:
 - a fixture that needs a server says so with ``@needs("postgres")``; every test that uses it,
   directly or through other fixtures, gets the mark. A parametrized fixture marks its params
   instead: ``pytest.param("postgres", marks=pytest.mark.postgres)``;
+- a test under ``tests/browser/`` gets ``browser`` (:data:`MARK_OF_DIRECTORY`): it drives a real
+  chromium, in its own tox env;
 - ``redis_cluster`` and ``sentinel`` imply ``redis`` (they start redis-server processes), so
   ``-m "not redis"`` leaves them out too;
 - a test with none of :data:`NEEDS_SOMETHING` gets ``fast``: ``pytest -m fast`` (``tox -e fast``)
@@ -29,9 +31,11 @@ from typing import Any, TypeVar
 import pytest
 
 #: The marks that keep a test out of the fast loop: a server, real workers, or time.
-NEEDS_SOMETHING = ("redis", "postgres", "rabbitmq", "redis_cluster", "sentinel", "workers", "slow")
+NEEDS_SOMETHING = ("redis", "postgres", "rabbitmq", "redis_cluster", "sentinel", "workers", "slow", "browser")
 #: A mark that brings others with it: a cluster or a Sentinel group is made of redis-servers.
 IMPLIES = {"redis_cluster": ("redis",), "sentinel": ("redis",)}
+#: A test in one of these directories (under tests/) gets the mark: each runs in its own tox env.
+MARK_OF_DIRECTORY = {"browser": "browser"}
 #: A ``fast`` test that waited longer than this (seconds of wall time beyond this process's CPU
 #: time, setup to teardown) is listed at the end of the run. CPU time is left out on purpose:
 #: the model test computes for seconds and belongs in the loop; a test that sleeps does not.
@@ -76,6 +80,8 @@ def _marks_from_fixtures(item: pytest.Function) -> set[str]:
 def pytest_itemcollected(item: pytest.Item) -> None:
     found = _marks_from_fixtures(item) if isinstance(item, pytest.Function) else set()
     found.update(mark.name for mark in item.iter_markers() if mark.name in NEEDS_SOMETHING)
+    if item.path.parent.name in MARK_OF_DIRECTORY:
+        found.add(MARK_OF_DIRECTORY[item.path.parent.name])
     for mark in list(found):
         found.update(IMPLIES.get(mark, ()))
     for name in sorted(found):

@@ -14,8 +14,8 @@ wrong schema version).
 ``inspect --json`` prints one JSON document; its format is in ``singleton-tasks inspect --help``
 (:data:`singleton_tasks.cli.inspect.JSON_HELP`).
 
-The commands are the modules ``inspect``, ``release``, ``drop_waiters``, ``top``, ``migrate`` and
-``demo``; they share ``_open`` (the store), ``_format`` (times and text) and ``_settling``
+The commands are the modules ``inspect``, ``release``, ``drop_waiters``, ``top``, ``migrate``,
+``demo`` and ``web``; they share ``_open`` (the store), ``_format`` (times and text) and ``_settling``
 (``--yes``, ``--broker``). This module adds them to the group, so none of them imports it.
 """
 
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import click
 
-from . import demo, drop_waiters, inspect, migrate, release, top
+from . import demo, drop_waiters, inspect, migrate, release, top, web
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -43,6 +43,7 @@ for _command in (
     top.top,
     migrate.migrate,
     demo.demo,
+    web.web,
 ):
     cli.add_command(_command)
 

@@ -1,0 +1,259 @@
+"""The web view's ASGI application (Starlette): the page, its data, its live stream, and release.
+
+Routes: ``/`` the page; ``/static/…`` its script and style (served from the package: nothing
+comes from the internet); ``/api/lanes`` one page of lanes as JSON; ``/api/events`` the same,
+as server-sent events, one per store snapshot; ``/api/release`` (only with ``allow_release``)
+frees a run's slot or place in line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from importlib import resources
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ..cli._open import snapshots
+from ..cli.release import _find_run
+from ..outcomes import HolderView
+from ..stores import Store
+from .lanes import PAGE_SIZE, Frame, LaneWatch, page_of
+
+logger = logging.getLogger("singleton_tasks")
+
+#: The header a release request carries its token in. A custom header is also what keeps a
+#: cross-site form from sending it: a browser asks the server first (a preflight it refuses).
+TOKEN_HEADER = "X-Singleton-Token"
+#: Scripts and styles from this server only, no inline script, no frames, no other connections.
+CONTENT_SECURITY_POLICY = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
+    "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
+SECURITY_HEADERS = {
+    "Content-Security-Policy": CONTENT_SECURITY_POLICY,
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "X-Frame-Options": "DENY",
+    "Cache-Control": "no-store",
+}
+#: Host names a page on a loopback address is reached by. Any other Host header is refused: a
+#: site that points its own name at 127.0.0.1 (DNS rebinding) does not get to read the lanes.
+LOOPBACK_HOSTS = ["127.0.0.1", "localhost", "::1", "[::1]"]
+#: Seconds between comments on an idle event stream (proxies close silent connections).
+KEEPALIVE = 15.0
+
+
+class _SecurityHeaders:
+    """Adds :data:`SECURITY_HEADERS` to every response."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                present = {name.lower() for name, _value in headers}
+                for name, value in SECURITY_HEADERS.items():
+                    if name.lower().encode() not in present:
+                        headers.append((name.lower().encode(), value.encode()))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
+
+
+class _Streams:
+    """Wakes every open event stream when the watch has a new frame (called from its thread)."""
+
+    def __init__(self) -> None:
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.changed = asyncio.Event()
+
+    def notify(self) -> None:
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._wake)
+
+    def _wake(self) -> None:
+        changed, self.changed = self.changed, asyncio.Event()
+        changed.set()
+
+
+def _query(request: Request) -> tuple[str, str, int]:
+    task = request.query_params.get("task", "")
+    key = request.query_params.get("key", "")
+    try:
+        page = int(request.query_params.get("page", "1"))
+    except ValueError:
+        page = 1
+    return task, key, page
+
+
+def is_loopback(host: str) -> bool:
+    return host in LOOPBACK_HOSTS or host.startswith("127.")
+
+
+def create_app(
+    store: Store,
+    *,
+    interval: float = 1.0,
+    allow_release: bool = False,
+    token: str | None = None,
+    host: str = "127.0.0.1",
+    page_size: int = PAGE_SIZE,
+    scrub: Callable[[str], str] = str,
+) -> Starlette:
+    """The web view of ``store``: one snapshot per ``interval`` seconds shared by every page.
+
+    ``allow_release`` adds the release route, which needs ``token`` (required then). Served on a
+    loopback ``host``, requests must name a loopback host (see :data:`LOOPBACK_HOSTS`).
+    """
+    if allow_release and not token:
+        raise ValueError("allow_release needs a token")
+    streams = _Streams()
+    watch = LaneWatch(store, interval, on_frame=streams.notify, scrub=scrub)
+    static = resources.files("singleton_tasks.web") / "static"
+    index_html = (static / "index.html").read_text(encoding="utf-8")
+
+    def sliced(frame: Frame, request: Request) -> dict[str, Any]:
+        task, key, page = _query(request)
+        view = page_of(frame, task=task, key=key, page=page, page_size=page_size)
+        view["allow_release"] = allow_release
+        view["error"] = watch.error
+        return view
+
+    async def index(request: Request) -> Response:
+        return HTMLResponse(index_html)
+
+    async def lanes(request: Request) -> Response:
+        frame = await asyncio.to_thread(watch.frame)
+        return JSONResponse(sliced(frame, request))
+
+    async def events(request: Request) -> Response:
+        async def stream() -> AsyncIterator[str]:
+            watch.subscribe()
+            try:
+                frame = await asyncio.to_thread(watch.frame)
+                while True:
+                    yield f"event: frame\ndata: {json.dumps(sliced(frame, request))}\n\n"
+                    changed = streams.changed
+                    while True:
+                        try:
+                            await asyncio.wait_for(changed.wait(), timeout=KEEPALIVE)
+                            break
+                        except asyncio.TimeoutError:
+                            yield ": keepalive\n\n"
+                    frame = watch.latest()
+            finally:
+                watch.unsubscribe()
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    async def release(request: Request) -> Response:
+        refused = _refuse_cross_site(request) or _refuse_token(request, token)
+        if refused is not None:
+            logger.warning("web release refused (%s) for %s", bytes(refused.body).decode(), _client(request))
+            return refused
+        try:
+            body = await request.json()
+            run_id = body["run_id"]
+            if not isinstance(run_id, str) or not run_id:
+                raise ValueError(run_id)
+        except (ValueError, KeyError, TypeError):
+            return _error(400, 'expected a JSON body {"run_id": "…"}')
+        found = _find_run(await asyncio.to_thread(snapshots, store), run_id)
+        if found is None:
+            return _error(404, f"run {run_id} is not registered")
+        snap, run = found
+        outcome = await asyncio.to_thread(store.operator_release, run_id)
+        if outcome is None or not outcome.released:
+            return _error(409, f"run {run_id} settled meanwhile: nothing released")
+        what = "holder" if isinstance(run, HolderView) else "waiter"
+        woke = [wake.run_id for wake in outcome.wakes]
+        logger.warning(
+            "operator release by %s (web): run %s, %s of key %r (scope %r) in %s namespace %r; woke %s",
+            _client(request),
+            run_id,
+            what,
+            snap.key,
+            snap.scope,
+            store.url,
+            store.namespace,
+            woke or "nobody",
+        )
+        return JSONResponse(
+            {"released": run_id, "was": what, "scope": snap.scope, "key": snap.key, "woke": woke}
+        )
+
+    routes = [
+        Route("/", index),
+        Route("/api/lanes", lanes),
+        Route("/api/events", events),
+        Mount("/static", app=StaticFiles(directory=str(static)), name="static"),
+    ]
+    if allow_release:
+        routes.append(Route("/api/release", release, methods=["POST"]))
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        streams.loop = asyncio.get_running_loop()
+        watch.start()
+        try:
+            yield
+        finally:
+            watch.close()
+
+    middleware = [Middleware(_SecurityHeaders)]
+    if is_loopback(host):
+        middleware.append(Middleware(TrustedHostMiddleware, allowed_hosts=LOOPBACK_HOSTS))
+    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
+    app.state.watch = watch
+    return app
+
+
+def _client(request: Request) -> str:
+    """Who asked, as the log names them: the client's address and port."""
+    if request.client is None:
+        return "an unknown client"
+    return f"{request.client.host}:{request.client.port}"
+
+
+def _error(status: int, detail: str) -> JSONResponse:
+    return JSONResponse({"error": detail}, status_code=status)
+
+
+def _refuse_cross_site(request: Request) -> JSONResponse | None:
+    """A request another site's page made: its Origin is not this server, or it is no JSON."""
+    origin = request.headers.get("origin")
+    own = f"{request.url.scheme}://{request.headers.get('host', '')}"
+    if origin is not None and origin != own:
+        return _error(403, "cross-origin request refused")
+    if request.headers.get("sec-fetch-site", "same-origin") not in ("same-origin", "none"):
+        return _error(403, "cross-site request refused")
+    if request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
+        return _error(415, "expected application/json")
+    return None
+
+
+def _refuse_token(request: Request, token: str | None) -> JSONResponse | None:
+    given = request.headers.get(TOKEN_HEADER, "")
+    if token is None or not hmac.compare_digest(given.encode(), token.encode()):
+        return _error(401, f"a valid {TOKEN_HEADER} header is required")
+    return None

@@ -1,0 +1,242 @@
+"""``singleton-tasks web``'s server: its data (inspect's document, paged), its headers, its release.
+
+In process with Starlette's TestClient against real memory and SQLite stores; the page itself,
+in a real browser, is tests/browser/.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import httpx2 as httpx
+import pytest
+from click.testing import CliRunner
+from conftest import StoreFactory, backend_params
+from starlette.testclient import TestClient
+from test_cli import SCOPE, Seeded, seed, spec, url_of
+from web_server import serving
+
+from singleton_tasks import Store
+from singleton_tasks.cli import cli
+from singleton_tasks.outcomes import Decision, Registered
+from singleton_tasks.testing import ManualClock
+from singleton_tasks.web import create_app
+from singleton_tasks.web.app import CONTENT_SECURITY_POLICY, TOKEN_HEADER
+from singleton_tasks.web.lanes import LaneWatch
+
+STATIC = Path(__file__).parents[1] / "singleton_tasks" / "web" / "static"
+TOKEN = "s3cret-token"
+HOST = "http://127.0.0.1:8080"
+
+
+@pytest.fixture(params=backend_params(["memory", "sqlite"]))
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def seeded(store_factory: StoreFactory, backend: str, tmp_path: Path) -> Seeded:
+    store = store_factory(clock=ManualClock())
+    return seed(store, url_of(store, backend, tmp_path))
+
+
+def client(store: Store, **options: Any) -> TestClient:
+    return TestClient(create_app(store, **options), base_url=HOST)
+
+
+def hold(store: Store, key: str, *run_ids: str, scope: str = SCOPE) -> None:
+    """Register ``run_ids`` on ``key`` in order; the first is admitted, the others wait."""
+    for run_id in run_ids:
+        assert store.register(replace(spec(key, run_id), scope=scope)).status is Registered.REGISTERED
+    assert store.claim(replace(spec(key, run_ids[0]), scope=scope), 0, None).decision is Decision.ADMITTED
+
+
+def test_the_page_data_is_inspects_document_with_holders_and_waiters_in_order(seeded: Seeded) -> None:
+    with client(seeded.store) as http:
+        page = http.get("/api/lanes").json()
+    assert page["totals"] == {"keys": 3, "holders": 3, "waiters": 2}
+    assert [lane["key"] for lane in page["keys"]] == ["store:A", "store:B", "store:C"]
+    a = page["keys"][0]
+    assert [h["run_id"] for h in a["holders"]] == [seeded.a0]
+    assert a["holders"][0]["status"] == "executing" and a["limit"] == 1
+    assert [(w["run_id"], w["position"], w["state"]) for w in a["waiters"]] == [
+        (seeded.a1, 1, "gated"),
+        (seeded.a2, 2, "pending"),
+    ]
+    assert page["keys"][1]["holders"][0]["status"] == "waiting_for_retry"
+    assert page["allow_release"] is False
+    assert (page["page"], page["pages"], page["matched"]) == (1, 1, 3)
+
+
+def test_the_page_never_shows_the_store_url(seeded: Seeded) -> None:
+    with client(seeded.store) as http:
+        body = http.get("/api/lanes").text + http.get("/").text
+    assert "store" not in http.get("/api/lanes").json()
+    assert seeded.store.url not in body
+    assert seeded.url not in body
+
+
+def test_every_response_carries_the_content_security_policy(seeded: Seeded) -> None:
+    with client(seeded.store) as http:
+        for path in ("/", "/api/lanes", "/static/lanes.js", "/static/lanes.css"):
+            response = http.get(path)
+            assert response.status_code == 200, path
+            assert response.headers["content-security-policy"] == CONTENT_SECURITY_POLICY
+            assert response.headers["x-content-type-options"] == "nosniff"
+    assert "script-src 'self'" in CONTENT_SECURITY_POLICY and "unsafe-inline" not in CONTENT_SECURITY_POLICY
+
+
+def test_the_page_has_no_inline_script_and_its_script_never_parses_data_as_html() -> None:
+    page = (STATIC / "index.html").read_text()
+    assert page.count("<script") == page.count('<script src="/static/lanes.js" defer></script>') == 1
+    assert "http://" not in page and "https://" not in page  # nothing from the internet
+    script = (STATIC / "lanes.js").read_text()
+    for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval("):
+        assert sink not in script, sink
+
+
+def test_filters_by_task_and_key_and_pages_many_keys(store_factory: StoreFactory) -> None:
+    store = store_factory()
+    for i in range(120):
+        hold(store, f"k{i:03d}", f"r{i}-{uuid.uuid4().hex[:6]}", scope="sync" if i % 2 else "mail")
+    with client(store, page_size=50) as http:
+        first = http.get("/api/lanes").json()
+        assert (first["pages"], first["matched"], len(first["keys"])) == (3, 120, 50)
+        last = http.get("/api/lanes", params={"page": 3}).json()
+        assert [lane["key"] for lane in last["keys"]][-1] == "k119" and len(last["keys"]) == 20
+        beyond = http.get("/api/lanes", params={"page": 99}).json()
+        assert beyond["page"] == 3
+        mail = http.get("/api/lanes", params={"task": "mail"}).json()
+        assert mail["matched"] == 60 and {lane["scope"] for lane in mail["keys"]} == {"mail"}
+        one = http.get("/api/lanes", params={"task": "sync", "key": "k11"}).json()
+        assert [lane["key"] for lane in one["keys"]] == ["k111", "k113", "k115", "k117", "k119"]
+        assert one["totals"]["keys"] == 120  # the totals stay the store's
+
+
+def test_pages_share_one_snapshot_per_interval(store_factory: StoreFactory) -> None:
+    store = store_factory()
+    hold(store, "k", "r1")
+    watch = LaneWatch(store, interval=60.0)
+    frames = [watch.frame() for _ in range(10)]
+    assert watch.reads == 1
+    assert all(frame is frames[0] for frame in frames)
+
+
+def test_handoffs_are_seen_between_frames_with_the_gap_as_a_range(store_factory: StoreFactory) -> None:
+    store = store_factory()
+    hold(store, "k", "first", "second")
+    watch = LaneWatch(store, interval=0.0)
+    before = watch.frame()
+    assert before["handoffs"] == []
+    [holder] = before["keys"][0]["holders"]
+    assert store.release(SCOPE, "k", "first", token=holder["token"]).released
+    assert store.claim(spec("k", "second"), 0, None).decision is Decision.ADMITTED
+    after = watch.frame()
+    [handoff] = after["handoffs"]
+    assert (handoff["key"], handoff["released"], handoff["admitted"]) == ("k", "first", "second")
+    assert 0 <= handoff["gap_min"] <= handoff["gap_max"] <= after["now"] - before["now"] + 0.01
+
+
+def test_a_request_for_another_host_name_is_refused(seeded: Seeded) -> None:
+    """DNS rebinding: a site that points its name at 127.0.0.1 does not read the lanes."""
+    with client(seeded.store) as http:
+        assert http.get("/api/lanes", headers={"Host": "evil.example"}).status_code == 400
+        assert http.get("/api/lanes", headers={"Host": "localhost:8080"}).status_code == 200
+
+
+def test_read_only_has_no_release_route(seeded: Seeded) -> None:
+    with client(seeded.store) as http:
+        response = http.post("/api/release", json={"run_id": seeded.a0}, headers={TOKEN_HEADER: TOKEN})
+        assert response.status_code in (404, 405)
+        assert seeded.a0 in json.dumps(http.get("/api/lanes").json())
+
+
+def release(http: TestClient, run_id: str, **headers: str) -> Any:
+    return http.post("/api/release", json={"run_id": run_id}, headers={"Origin": HOST, **headers})
+
+
+def test_release_needs_the_token_and_a_same_origin_request(
+    seeded: Seeded, caplog: pytest.LogCaptureFixture
+) -> None:
+    with client(seeded.store, allow_release=True, token=TOKEN) as http:
+        assert http.get("/api/lanes").json()["allow_release"] is True
+        assert release(http, seeded.a0).status_code == 401
+        assert release(http, seeded.a0, **{TOKEN_HEADER: "wrong"}).status_code == 401
+        cross = release(http, seeded.a0, **{TOKEN_HEADER: TOKEN, "Origin": "https://evil.example"})
+        assert cross.status_code == 403
+        form = http.post(
+            "/api/release",
+            content=f"run_id={seeded.a0}",
+            headers={
+                "Origin": HOST,
+                TOKEN_HEADER: TOKEN,
+                "Content-Type": "application/x-www-form-urlencoded",
+            },
+        )
+        assert form.status_code == 415
+        assert seeded.a0 in json.dumps(http.get("/api/lanes").json())  # still held
+
+        with caplog.at_level(logging.WARNING, logger="singleton_tasks"):
+            done = release(http, seeded.a0, **{TOKEN_HEADER: TOKEN})
+        assert done.status_code == 200, done.text
+        assert done.json()["released"] == seeded.a0 and done.json()["key"] == "store:A"
+        assert release(http, seeded.a0, **{TOKEN_HEADER: TOKEN}).status_code == 404
+    assert not any(h.run_id == seeded.a0 for s in seeded.store.snapshot() for h in s.holders)
+    [logged] = [r.getMessage() for r in caplog.records if "operator release by" in r.getMessage()]
+    assert "testclient:" in logged and seeded.a0 in logged and "'store:A'" in logged
+
+
+def test_release_without_a_token_is_refused_at_start(store_factory: StoreFactory) -> None:
+    result = CliRunner().invoke(cli, ["web", "--store", "memory://x", "--allow-release"], env={})
+    assert result.exit_code == 2 and "needs a token" in result.output
+    with pytest.raises(ValueError, match="token"):
+        create_app(store_factory(), allow_release=True)
+
+
+def test_web_listens_on_loopback_unless_told() -> None:
+    from singleton_tasks.cli.web import web
+
+    [host] = [p for p in web.params if p.name == "host"]
+    assert host.default == "127.0.0.1"
+
+
+def frames(response: Any) -> Iterator[dict[str, Any]]:
+    """The frames of an event stream, as they arrive."""
+    event = None
+    for line in response.iter_lines():
+        if line.startswith("event: "):
+            event = line.removeprefix("event: ")
+        elif line.startswith("data: ") and event == "frame":
+            yield json.loads(line.removeprefix("data: "))
+
+
+@pytest.mark.slow
+def test_every_open_page_sees_a_change_within_a_second_from_one_shared_snapshot(
+    store_factory: StoreFactory,
+) -> None:
+    store = store_factory()
+    hold(store, "first", "r-first")
+    app = create_app(store, interval=0.5)
+    pages = 6
+    with serving(app) as base, ExitStack() as streams, httpx.Client(base_url=base, timeout=10) as http:
+        readers = [frames(streams.enter_context(http.stream("GET", "/api/events"))) for _ in range(pages)]
+        assert all([lane["key"] for lane in next(reader)["keys"]] == ["first"] for reader in readers)
+        reads_before, started = app.state.watch.reads, time.monotonic()
+        hold(store, "second", "r-second")
+        for reader in readers:
+            seen = next(reader)
+            while [lane["key"] for lane in seen["keys"]] != ["first", "second"]:
+                seen = next(reader)
+        elapsed = time.monotonic() - started
+        assert elapsed < 1.5, elapsed  # within about a second (an interval of 0.5 s)
+        # Six pages, one read per interval: not six reads per interval.
+        assert app.state.watch.reads - reads_before <= elapsed / 0.5 + 2
+    assert app.state.watch.subscribers == 0  # every closed page unsubscribed
