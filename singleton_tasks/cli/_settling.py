@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from ..outcomes import Wake
+from ..outcomes import HolderView, KeySnapshot, WaiterView, Wake
 from ..stores import redact_url
 from ..stores.base import scrub_secrets
 from ._open import StoreProblem
@@ -28,6 +28,16 @@ def who() -> str:
     except (KeyError, OSError):  # no login name (containers without a passwd entry)
         user = "unknown"
     return f"{user}@{socket.gethostname()}"
+
+
+def find_run(snaps: Sequence[KeySnapshot], run_id: str) -> tuple[KeySnapshot, HolderView | WaiterView] | None:
+    """The key and the holder or waiter ``run_id`` is, in ``snaps``; None if it is in none."""
+    for snap in snaps:
+        runs: tuple[HolderView | WaiterView, ...] = (*snap.holders, *snap.waiters)
+        for run in runs:
+            if run.run_id == run_id:
+                return snap, run
+    return None
 
 
 def confirm_and_broker_options(command: Callable[..., Any]) -> Callable[..., Any]:

@@ -4,27 +4,15 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Sequence
 
 import click
 
 from ..outcomes import HolderView, KeySnapshot, ReleaseOutcome, WaiterView
 from ..stores import Store
 from ._open import open_store, snapshots, store_options
-from ._settling import confirm_and_broker_options, open_broker, publish_wakes, report_wakes, who
+from ._settling import confirm_and_broker_options, find_run, open_broker, publish_wakes, report_wakes, who
 
 logger = logging.getLogger("singleton_tasks")
-
-
-def _find_run(
-    snaps: Sequence[KeySnapshot], run_id: str
-) -> tuple[KeySnapshot, HolderView | WaiterView] | None:
-    for snap in snaps:
-        runs: tuple[HolderView | WaiterView, ...] = (*snap.holders, *snap.waiters)
-        for run in runs:
-            if run.run_id == run_id:
-                return snap, run
-    return None
 
 
 def _describe(run: HolderView | WaiterView) -> str:
@@ -62,7 +50,7 @@ def release(store_url: str | None, namespace: str, run_id: str, yes: bool, broke
     Dramatiq --broker, the wakes are published at once.
     """
     with open_broker(broker_url) as broker, open_store(store_url, namespace) as store:
-        found = _find_run(snapshots(store), run_id)
+        found = find_run(snapshots(store), run_id)
         if found is None:
             click.echo(
                 f"run {run_id} is not registered in {store.url} (namespace {store.namespace})", err=True

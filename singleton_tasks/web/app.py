@@ -27,7 +27,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..cli._open import snapshots
-from ..cli.release import _find_run
+from ..cli._settling import find_run
 from ..outcomes import HolderView
 from ..stores import Store
 from .lanes import PAGE_SIZE, Frame, LaneWatch, page_of
@@ -178,7 +178,7 @@ def create_app(
                 raise ValueError(run_id)
         except (ValueError, KeyError, TypeError):
             return _error(400, 'expected a JSON body {"run_id": "…"}')
-        found = _find_run(await asyncio.to_thread(snapshots, store), run_id)
+        found = find_run(await asyncio.to_thread(snapshots, store), run_id)
         if found is None:
             return _error(404, f"run {run_id} is not registered")
         snap, run = found
