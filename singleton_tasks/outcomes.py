@@ -133,6 +133,12 @@ class HolderView:
     lease_expires_at: float
     executing: bool
     phantom: bool = False  # an index entry whose run data is gone (a damaged store): evicted at once
+    #: The size in bytes of the message the store keeps to issue the run again (None: it keeps none;
+    #: a holder keeps none: it is never issued again).
+    payload_bytes: int | None = None
+    #: The generations of the run's copies the store counts as live (a delivery of one may act),
+    #: in ascending order; the producer's copy is generation 0.
+    live_generations: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -145,6 +151,8 @@ class WaiterView:
     seen_at: float = 0.0  # the store's time when a live copy of the run was last seen
     reissue_at: float | None = None  # owning a slot and unseen by then, it is issued again (None: never)
     phantom: bool = False
+    payload_bytes: int | None = None  # as HolderView's
+    live_generations: tuple[int, ...] = ()  # as HolderView's
 
 
 @dataclass(frozen=True)

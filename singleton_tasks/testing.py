@@ -1214,6 +1214,27 @@ class _DataRules(_Contract):
         assert [s.scope for s in at(store, T0 + 2).snapshot(scope="other")] == ["other"]
         assert at(store, T0 + 2).snapshot(key="missing") == []
 
+    def test_snapshot_shows_payload_sizes_and_live_generations(self, make_store: StoreFactory) -> None:
+        store = make_store()
+        payload = b"\x00message\xff" * 100  # bytes, not text: measured as stored
+        registered(store, spec("a"), T0, payload=b"holder's message")
+        registered(store, spec("b"), T0, payload=payload)
+        registered(store, spec("c"), T0)  # sent without a message to issue again
+        registered(store, spec("d"), T0, payload=b"")  # an empty message is a message
+        admitted(store, spec("a"), 0, T0 + 1)
+        deferral = gated(store, spec("b"), 0, T0 + 2, payload).generation
+        assert deferral is not None
+        snap = one_key(store, T0 + 3)
+        assert snap is not None
+        (holder,) = snap.holders
+        assert holder.payload_bytes is None  # admitted: never issued again, its message is dropped
+        assert holder.live_generations == (0,)
+        sizes = {w.run_id: w.payload_bytes for w in snap.waiters}
+        assert sizes == {"b": len(payload), "c": None, "d": 0}
+        lives = {w.run_id: w.live_generations for w in snap.waiters}
+        # b: the copy delivered and the deferred copy it was replaced by, until one of them acts.
+        assert lives == {"b": tuple(sorted((0, deferral))), "c": (0,), "d": (0,)}
+
 
 class _TimeRules(_Contract):
     """Schema versions, the store's clock, the line at any age, re-issues, retention and tokens."""

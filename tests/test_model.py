@@ -511,13 +511,28 @@ class Model:
                     token=k.token,
                     holders=tuple(
                         HolderView(
-                            h.run_id, h.token, h.admitted_at, h.heartbeat_at, h.lease_expires_at, h.executing
+                            h.run_id,
+                            h.token,
+                            h.admitted_at,
+                            h.heartbeat_at,
+                            h.lease_expires_at,
+                            h.executing,
+                            payload_bytes=None if h.payload is None else len(h.payload),
+                            live_generations=tuple(sorted(h.live)),
                         )
                         for h in holders
                     ),
                     waiters=tuple(
                         WaiterView(
-                            w.run_id, i + 1, w.created_at, w.state, w.confirmed, w.seen_at, w.reissue_at
+                            w.run_id,
+                            i + 1,
+                            w.created_at,
+                            w.state,
+                            w.confirmed,
+                            w.seen_at,
+                            w.reissue_at,
+                            payload_bytes=None if w.payload is None else len(w.payload),
+                            live_generations=tuple(sorted(w.live)),
                         )
                         for i, w in enumerate(k.line())
                     ),

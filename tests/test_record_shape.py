@@ -142,6 +142,15 @@ def test_lua_builds_runs_with_every_field() -> None:
     assert sorted(made) == sorted(RUN_FIELDS)
 
 
+def test_the_lua_snapshot_measures_payloads_without_reading_them() -> None:
+    """A snapshot reads every key's runs: their fields by name (lib.lua's FIELDS), never a payload."""
+    source = lua("snapshot.lua")
+    assert "HMGET', hash, unpack(FIELDS))" in source
+    assert re.findall(r"HGETALL', ([^)]*)\)", source) == ["KEYS[1]"]  # the meta hash only
+    assert "HSTRLEN', hash, 'payload')" in source
+    assert not re.search(r"'HGET'|'HVALS'", source)
+
+
 def test_lua_reads_and_writes_every_key_meta_field() -> None:
     source = lua("lib.lua")
     load = lua_function(source, "load_meta")

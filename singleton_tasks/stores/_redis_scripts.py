@@ -167,7 +167,7 @@ def run_record(run_id: bytes, fields: dict[bytes, bytes]) -> RunRecord:
 def _phantom_views(entries: Sequence[Sequence[Any]]) -> tuple[list[HolderView], list[WaiterView]]:
     """Index entries without run data (a damaged store): shown so an operator can release them."""
     holders, waiters = [], []
-    for run_id, _flat, kind, score in entries:
+    for run_id, _fields, kind, score, _payload_size in entries:
         if kind == b"holder":
             holders.append(
                 HolderView(from_text(run_id), int(float(score)), 0.0, 0.0, 0.0, False, phantom=True)
@@ -218,9 +218,14 @@ def key_snapshot(reply: Sequence[Any]) -> KeySnapshot | None:
     meta = pairs(meta_flat)
     if b"scope" not in meta:
         return None
-    records = [run_record(run_id, pairs(flat)) for run_id, flat, _kind, _score in entries if flat]
+    records = [
+        run_record(run_id, pairs(fields)) for run_id, fields, _kind, _score, _size in entries if fields
+    ]
+    sizes = {
+        from_text(run_id): None if size < 0 else size for run_id, _fields, _kind, _score, size in entries
+    }
     key_meta = KeyMeta(token=int(meta[b"token"]), seq=int(meta[b"seq"]), limit=int(meta[b"limit"]))
-    snap = snapshot_of(from_text(meta[b"scope"]), from_text(meta[b"key"]), key_meta, records)
+    snap = snapshot_of(from_text(meta[b"scope"]), from_text(meta[b"key"]), key_meta, records, sizes)
     phantom_holders, phantom_waiters = _phantom_views([e for e in entries if not e[1]])
     if phantom_holders or phantom_waiters:
         snap = dataclasses.replace(

@@ -8,7 +8,7 @@ import dataclasses
 import importlib
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import ClassVar
 from urllib.parse import unquote, unquote_plus, urlsplit, urlunsplit
 
@@ -433,21 +433,56 @@ class RuleStore(Store):
         """Extend each holder's lease in one store call: whether each still holds, and the store time."""
 
 
-def snapshot_of(scope: str, key: str, meta: KeyMeta, runs: Sequence[RunRecord]) -> KeySnapshot:
-    """One key's records as an inspection view (shared by the rule stores)."""
+def snapshot_of(
+    scope: str,
+    key: str,
+    meta: KeyMeta,
+    runs: Sequence[RunRecord],
+    payload_sizes: Mapping[str, int | None] | None = None,
+) -> KeySnapshot:
+    """One key's records as an inspection view (shared by the rule stores).
+
+    ``payload_sizes``: each run's payload size by run id, for runs read without their payload
+    (Redis); by default the size of each record's payload.
+    """
     holders = sorted((r for r in runs if r.state is RunState.HOLDING), key=lambda r: r.token)
     waiters = sorted((r for r in runs if r.state is not RunState.HOLDING), key=lambda r: r.seq)
+
+    def payload_bytes(run: RunRecord) -> int | None:
+        if payload_sizes is not None:
+            return payload_sizes.get(run.run_id)
+        return None if run.payload is None else len(run.payload)
+
     return KeySnapshot(
         scope=scope,
         key=key,
         limit=meta.limit,
         token=meta.token,
         holders=tuple(
-            HolderView(h.run_id, h.token, h.admitted_at, h.heartbeat_at, h.lease_expires_at, h.executing)
+            HolderView(
+                h.run_id,
+                h.token,
+                h.admitted_at,
+                h.heartbeat_at,
+                h.lease_expires_at,
+                h.executing,
+                payload_bytes=payload_bytes(h),
+                live_generations=tuple(sorted(h.live)),
+            )
             for h in holders
         ),
         waiters=tuple(
-            WaiterView(w.run_id, i + 1, w.created_at, w.state, w.confirmed, w.seen_at, w.reissue_at)
+            WaiterView(
+                w.run_id,
+                i + 1,
+                w.created_at,
+                w.state,
+                w.confirmed,
+                w.seen_at,
+                w.reissue_at,
+                payload_bytes=payload_bytes(w),
+                live_generations=tuple(sorted(w.live)),
+            )
             for i, w in enumerate(waiters)
         ),
     )
