@@ -41,6 +41,7 @@ class Seeded:
     b0: str  # holder of store:B, waiting for its retry
     c0: str  # holder of store:C, executing
     a1_generation: int  # the generation of a1's deferred copy
+    a1_payload: bytes  # the message a1 is issued again from
 
     def args(self, *more: str) -> list[str]:
         return [*more, "--store", self.url, "--namespace", self.store.namespace]
@@ -72,7 +73,9 @@ def seed(store: Store, url: str) -> Seeded:
     b0_token = at(store, now).snapshot(scope=SCOPE, key="store:B")[0].holders[0].token
     assert at(store, now - 10).suspend(SCOPE, "store:B", ids["b0"], b0_token, delay=5.0)
     assert gated.generation is not None
-    return Seeded(store=store, url=url, now=now, a1_generation=gated.generation, **ids)
+    return Seeded(
+        store=store, url=url, now=now, a1_generation=gated.generation, a1_payload=message.encode(), **ids
+    )
 
 
 def url_of(store: Store, backend: str, tmp_path: Path) -> str:
@@ -130,6 +133,12 @@ def test_inspect_json_shows_holders_and_waiters_in_order(seeded: Seeded) -> None
     ]
     assert all(29.5 <= w["waiting"] < 70 for w in a["waiters"])
     assert all(w["confirmed"] is True for w in a["waiters"])
+    # The message a1 is issued again from; a2 was registered without one; a holder keeps none.
+    assert [w["payload_bytes"] for w in a["waiters"]] == [len(seeded.a1_payload), None]
+    assert holder["payload_bytes"] is None
+    # a1: its delivered copy and the deferred copy it was replaced by; the others their first.
+    assert [w["live_generations"] for w in a["waiters"]] == [[0, seeded.a1_generation], [0]]
+    assert holder["live_generations"] == [0]
 
     [b_holder] = key_doc(document, "store:B")["holders"]
     assert (b_holder["run_id"], b_holder["status"]) == (seeded.b0, "waiting_for_retry")
@@ -192,7 +201,8 @@ def test_inspect_table_stays_readable_at_80_columns(store_factory: StoreFactory,
 def test_inspect_help_documents_the_json_format() -> None:
     result = CliRunner().invoke(cli, ["inspect", "--help"], env=WIDE)
     assert result.exit_code == 0
-    for field in ('"format": 1', '"lease_age"', '"lease_expired"', '"waiting"', '"confirmed"', '"totals"'):
+    fields = ('"format": 1', '"lease_age"', '"lease_expired"', '"waiting"', '"confirmed"', '"totals"')
+    for field in (*fields, '"payload_bytes"', '"live_generations"'):
         assert field in result.output, result.output
 
 

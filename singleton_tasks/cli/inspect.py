@@ -39,8 +39,11 @@ store's clock, durations are seconds; the store's password is redacted):
         {"run_id": "…", "token": 1767279283512300, "admitted_at": …, "heartbeat_at": …,
          "lease_expires_at": …, "lease_age": 3.2,    # seconds since the last heartbeat
          "lease_expired": false,
-         "status": "executing"}                  # or "waiting_for_retry"; "phantom": its
-      ],                                         # data is lost, release it
+         "status": "executing",                  # or "waiting_for_retry"; "phantom": its
+                                                 # data is lost, release it
+         "payload_bytes": null,                  # a holder keeps no message to issue again
+         "live_generations": [0]}                # its copies whose delivery may act
+      ],
       "waiters": [                               # in admission order
         {"run_id": "…", "position": 1, "created_at": …, "waiting": 12.5,
          "state": "gated",                       # "pending" | "gated" | "woken" | "phantom"
@@ -48,8 +51,14 @@ store's clock, durations are seconds; the store's password is redacted):
          "seen_at": …,                           # a live copy of it last reached the store
          "reissue_at": …,                        # owning a slot and unseen by then, the store
                                                  # issues it again (null: never)
-         "passed_over": false}                   # always false: no waiter is passed over since
+         "passed_over": false,                   # always false: no waiter is passed over since
                                                  # schema 4 (kept for readers of this format)
+         "payload_bytes": 512,                   # the message the store keeps to issue it
+                                                 # again, in bytes (null: none kept)
+         "live_generations": [0, 1767279290000000]}
+                                                 # the generations of its copies the store counts
+                                                 # as live (0: the producer's copy); a delivery
+                                                 # of any other copy is stale
       ]
     }
   ]
@@ -84,6 +93,8 @@ def inspect_document(store: Store, snaps: Sequence[KeySnapshot], now: float) -> 
                         "lease_age": round(max(0.0, now - h.heartbeat_at), 3),
                         "lease_expired": h.lease_expires_at <= now,
                         "status": _holder_status(h),
+                        "payload_bytes": h.payload_bytes,
+                        "live_generations": list(h.live_generations),
                     }
                     for h in snap.holders
                 ],
@@ -98,6 +109,8 @@ def inspect_document(store: Store, snaps: Sequence[KeySnapshot], now: float) -> 
                         "seen_at": w.seen_at,
                         "reissue_at": w.reissue_at,
                         "passed_over": False,
+                        "payload_bytes": w.payload_bytes,
+                        "live_generations": list(w.live_generations),
                     }
                     for w in snap.waiters
                 ],
