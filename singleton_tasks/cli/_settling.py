@@ -8,17 +8,21 @@ when ``--broker`` is given: the command runs without it installed.
 from __future__ import annotations
 
 import getpass
+import logging
 import socket
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import click
 
 from ..outcomes import HolderView, KeySnapshot, WaiterView, Wake
-from ..stores import redact_url
+from ..stores import Store, redact_url
 from ..stores.base import scrub_secrets
-from ._open import StoreProblem
+from ._open import StoreProblem, snapshots
+
+logger = logging.getLogger("singleton_tasks")
 
 
 def who() -> str:
@@ -38,6 +42,52 @@ def find_run(snaps: Sequence[KeySnapshot], run_id: str) -> tuple[KeySnapshot, Ho
             if run.run_id == run_id:
                 return snap, run
     return None
+
+
+@dataclass(frozen=True)
+class WaitersDropped:
+    """What :func:`drop_waiters_of` did to a key's listed waiters."""
+
+    dropped: tuple[WaiterView, ...]  # settled by this call, in line order
+    left: tuple[WaiterView, ...]  # not dropped: admitted or settled meanwhile, or still waiting
+    wakes: tuple[Wake, ...]  # runs that own a slot because of the drops (none of the dropped)
+    evicted: tuple[str, ...]  # orphaned holders evicted on the way
+    after: KeySnapshot | None  # the key once done (None: no holders or waiters left)
+
+
+def drop_waiters_of(store: Store, snap: KeySnapshot, operator: str) -> WaitersDropped:
+    """Settle each waiter listed in ``snap`` in the store, as ``release`` would; a waiter admitted
+    meanwhile by a copy of it is left alone (it settles where it runs). Logs one warning per
+    dropped run, naming ``operator``."""
+    what = f"key {snap.key!r} (scope {snap.scope!r})"
+    dropped: set[str] = set()
+    wakes: dict[str, Wake] = {}
+    evicted: list[str] = []
+    # Back to front: dropping a waiter never makes one behind it own a slot, so no listed
+    # waiter is woken (and admitted by its wake) by these drops.
+    for waiter in reversed(snap.waiters):
+        outcome = store.release(snap.scope, snap.key, waiter.run_id, token=None, waiting_only=True)
+        wakes.update((wake.run_id, wake) for wake in outcome.wakes)
+        evicted.extend(outcome.evicted)
+        if outcome.released:
+            dropped.add(waiter.run_id)
+            logger.warning(
+                "operator drop of a waiter by %s: run %s (position %d) of %s in %s namespace %r",
+                operator,
+                waiter.run_id,
+                waiter.position,
+                what,
+                store.url,
+                store.namespace,
+            )
+    after = snapshots(store, scope=snap.scope, key=snap.key)
+    return WaitersDropped(
+        dropped=tuple(w for w in snap.waiters if w.run_id in dropped),
+        left=tuple(w for w in snap.waiters if w.run_id not in dropped),
+        wakes=tuple(wake for run_id, wake in wakes.items() if run_id not in dropped),
+        evicted=tuple(evicted),
+        after=after[0] if after else None,
+    )
 
 
 def confirm_and_broker_options(command: Callable[..., Any]) -> Callable[..., Any]:

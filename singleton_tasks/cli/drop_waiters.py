@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
-import logging
 import sys
 
 import click
 
-from ..outcomes import KeySnapshot, Wake
+from ..outcomes import KeySnapshot
 from ..stores import Store
 from ._format import waiter_state
 from ._open import open_store, snapshots, store_options
-from ._settling import confirm_and_broker_options, open_broker, publish_wakes, report_wakes, who
-
-logger = logging.getLogger("singleton_tasks")
+from ._settling import (
+    confirm_and_broker_options,
+    drop_waiters_of,
+    open_broker,
+    publish_wakes,
+    report_wakes,
+    who,
+)
 
 
 def _one_key(store: Store, scope: str | None, key: str) -> KeySnapshot | None:
@@ -63,30 +67,10 @@ def drop_waiters(
         if not yes and not click.confirm(f"Drop these {len(snap.waiters)} waiters?", default=False):
             click.echo("nothing dropped", err=True)
             sys.exit(1)
-        operator = who()
-        dropped: set[str] = set()
-        wakes: dict[str, Wake] = {}
-        evicted: list[str] = []
-        # Back to front: dropping a waiter never makes one behind it own a slot, so no listed
-        # waiter is woken (and admitted by its wake) by this command's own drops.
-        for w in reversed(snap.waiters):
-            outcome = store.release(snap.scope, snap.key, w.run_id, token=None, waiting_only=True)
-            wakes.update((wake.run_id, wake) for wake in outcome.wakes)
-            evicted.extend(outcome.evicted)
-            if outcome.released:
-                dropped.add(w.run_id)
-                logger.warning(
-                    "operator drop of a waiter by %s: run %s (position %d) of %s in %s namespace %r",
-                    operator,
-                    w.run_id,
-                    w.position,
-                    what,
-                    store.url,
-                    store.namespace,
-                )
-        after = _one_key(store, snap.scope, snap.key)
-        holding = {h.run_id for h in after.holders} if after else set()
-        waiting = {w.run_id for w in after.waiters} if after else set()
+        done = drop_waiters_of(store, snap, who())
+        dropped = {w.run_id for w in done.dropped}
+        holding = {h.run_id for h in done.after.holders} if done.after else set()
+        waiting = {w.run_id for w in done.after.waiters} if done.after else set()
         for w in snap.waiters:
             if w.run_id in dropped:
                 click.echo(f"dropped {w.run_id} (position {w.position})")
@@ -96,8 +80,7 @@ def drop_waiters(
                 click.echo(f"{w.run_id}: still waiting, not dropped (try `release {w.run_id}`)")
             else:
                 click.echo(f"{w.run_id}: settled meanwhile")
-        woken = [wake for run_id, wake in wakes.items() if run_id not in dropped]
-        report_wakes(woken, evicted, published=publish_wakes(broker, broker_url, woken))
+        report_wakes(done.wakes, done.evicted, published=publish_wakes(broker, broker_url, done.wakes))
         click.echo(
             f"dropped {len(dropped)} of {len(snap.waiters)} waiters of {what}; {len(waiting)} waiting now"
         )
