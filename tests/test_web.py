@@ -152,11 +152,14 @@ def test_a_request_for_another_host_name_is_refused(seeded: Seeded) -> None:
         assert http.get("/api/lanes", headers={"Host": "localhost:8080"}).status_code == 200
 
 
-def test_read_only_has_no_release_route(seeded: Seeded) -> None:
+def test_read_only_has_no_release_or_drop_route(seeded: Seeded) -> None:
     with client(seeded.store) as http:
         response = http.post("/api/release", json={"run_id": seeded.a0}, headers={TOKEN_HEADER: TOKEN})
         assert response.status_code in (404, 405)
-        assert seeded.a0 in json.dumps(http.get("/api/lanes").json())
+        response = drop(http, "store:A", **{TOKEN_HEADER: TOKEN})
+        assert response.status_code in (404, 405)
+        lanes = json.dumps(http.get("/api/lanes").json())
+    assert seeded.a0 in lanes and seeded.a1 in lanes and seeded.a2 in lanes
 
 
 def release(http: TestClient, run_id: str, **headers: str) -> Any:
@@ -192,6 +195,65 @@ def test_release_needs_the_token_and_a_same_origin_request(
     assert not any(h.run_id == seeded.a0 for s in seeded.store.snapshot() for h in s.holders)
     [logged] = [r.getMessage() for r in caplog.records if "operator release by" in r.getMessage()]
     assert "testclient:" in logged and seeded.a0 in logged and "'store:A'" in logged
+
+
+def drop(http: TestClient, key: str, scope: str = SCOPE, **headers: str) -> Any:
+    return http.post(
+        "/api/drop-waiters", json={"scope": scope, "key": key}, headers={"Origin": HOST, **headers}
+    )
+
+
+def waiting(store: Store, key: str) -> list[str]:
+    return [w.run_id for s in store.snapshot(scope=SCOPE, key=key) for w in s.waiters]
+
+
+def test_dropping_waiters_needs_the_token_and_a_same_origin_request(
+    seeded: Seeded, caplog: pytest.LogCaptureFixture
+) -> None:
+    with client(seeded.store, allow_release=True, token=TOKEN) as http:
+        with caplog.at_level(logging.WARNING, logger="singleton_tasks"):
+            assert drop(http, "store:A").status_code == 401
+            assert drop(http, "store:A", **{TOKEN_HEADER: "wrong"}).status_code == 401
+            cross = drop(http, "store:A", **{TOKEN_HEADER: TOKEN, "Origin": "https://evil.example"})
+            assert cross.status_code == 403
+            fetched = drop(http, "store:A", **{TOKEN_HEADER: TOKEN, "Sec-Fetch-Site": "cross-site"})
+            assert fetched.status_code == 403
+        assert waiting(seeded.store, "store:A") == [seeded.a1, seeded.a2]  # nothing dropped
+    refusals = [r.getMessage() for r in caplog.records if "web drop of waiters refused" in r.getMessage()]
+    assert len(refusals) == 4 and all("testclient:" in refusal for refusal in refusals)
+    assert not [r for r in caplog.records if "operator drop of a waiter" in r.getMessage()]
+
+
+def test_dropping_waiters_drops_them_leaves_the_holders_and_logs_each(
+    seeded: Seeded, caplog: pytest.LogCaptureFixture
+) -> None:
+    with client(seeded.store, allow_release=True, token=TOKEN) as http:
+        with caplog.at_level(logging.WARNING, logger="singleton_tasks"):
+            done = drop(http, "store:A", **{TOKEN_HEADER: TOKEN})
+        assert done.status_code == 200, done.text
+        assert done.json() == {
+            "scope": SCOPE,
+            "key": "store:A",
+            "dropped": [seeded.a1, seeded.a2],
+            "left": [],
+            "woke": [],
+            "waiting": 0,
+        }
+        again = drop(http, "store:A", **{TOKEN_HEADER: TOKEN})
+        assert again.status_code == 200 and again.json()["dropped"] == []
+        assert drop(http, "store:Z", **{TOKEN_HEADER: TOKEN}).status_code == 404
+        assert drop(http, "store:A", scope="other", **{TOKEN_HEADER: TOKEN}).status_code == 404
+        malformed = http.post(
+            "/api/drop-waiters", json={"key": "store:A"}, headers={"Origin": HOST, TOKEN_HEADER: TOKEN}
+        )
+        assert malformed.status_code == 400
+    assert waiting(seeded.store, "store:A") == []
+    [snap] = seeded.store.snapshot(scope=SCOPE, key="store:A")
+    assert [h.run_id for h in snap.holders] == [seeded.a0]  # the holder keeps its slot
+    logged = [r.getMessage() for r in caplog.records if "operator drop of a waiter" in r.getMessage()]
+    assert len(logged) == 2  # one line per dropped run, as the CLI logs them
+    for run_id, line in zip((seeded.a2, seeded.a1), logged, strict=True):  # back to front
+        assert run_id in line and "testclient:" in line and "(web)" in line and "'store:A'" in line
 
 
 def test_release_without_a_token_is_refused_at_start(store_factory: StoreFactory) -> None:

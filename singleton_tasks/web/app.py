@@ -2,8 +2,9 @@
 
 Routes: ``/`` the page; ``/static/…`` its script and style (served from the package: nothing
 comes from the internet); ``/api/lanes`` one page of lanes as JSON; ``/api/events`` the same,
-as server-sent events, one per store snapshot; ``/api/release`` (only with ``allow_release``)
-frees a run's slot or place in line.
+as server-sent events, one per store snapshot; ``/api/release`` frees a run's slot or place in
+line and ``/api/drop-waiters`` cancels every run waiting on a key (both only with
+``allow_release``, and with the token).
 """
 
 from __future__ import annotations
@@ -27,14 +28,14 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..cli._open import snapshots
-from ..cli._settling import find_run
+from ..cli._settling import drop_waiters_of, find_run
 from ..outcomes import HolderView
 from ..stores import Store
 from .lanes import PAGE_SIZE, Frame, LaneWatch, page_of
 
 logger = logging.getLogger("singleton_tasks")
 
-#: The header a release request carries its token in. A custom header is also what keeps a
+#: The header a release (or drop) request carries its token in. A custom header is also what keeps a
 #: cross-site form from sending it: a browser asks the server first (a preflight it refuses).
 TOKEN_HEADER = "X-Singleton-Token"
 #: Scripts and styles from this server only, no inline script, no frames, no other connections.
@@ -122,7 +123,8 @@ def create_app(
 ) -> Starlette:
     """The web view of ``store``: one snapshot per ``interval`` seconds shared by every page.
 
-    ``allow_release`` adds the release route, which needs ``token`` (required then). Served on a
+    ``allow_release`` adds the routes that settle runs (release, drop waiters), which need
+    ``token`` (required then). Served on a
     loopback ``host``, requests must name a loopback host (see :data:`LOOPBACK_HOSTS`).
     """
     if allow_release and not token:
@@ -167,17 +169,13 @@ def create_app(
         return StreamingResponse(stream(), media_type="text/event-stream")
 
     async def release(request: Request) -> Response:
-        refused = _refuse_cross_site(request) or _refuse_token(request, token)
+        refused = _refuse(request, token, "release")
         if refused is not None:
-            logger.warning("web release refused (%s) for %s", bytes(refused.body).decode(), _client(request))
             return refused
-        try:
-            body = await request.json()
-            run_id = body["run_id"]
-            if not isinstance(run_id, str) or not run_id:
-                raise ValueError(run_id)
-        except (ValueError, KeyError, TypeError):
+        fields = await _json_fields(request, "run_id")
+        if fields is None:
             return _error(400, 'expected a JSON body {"run_id": "…"}')
+        (run_id,) = fields
         found = find_run(await asyncio.to_thread(snapshots, store), run_id)
         if found is None:
             return _error(404, f"run {run_id} is not registered")
@@ -202,6 +200,29 @@ def create_app(
             {"released": run_id, "was": what, "scope": snap.scope, "key": snap.key, "woke": woke}
         )
 
+    async def drop_waiters(request: Request) -> Response:
+        refused = _refuse(request, token, "drop of waiters")
+        if refused is not None:
+            return refused
+        fields = await _json_fields(request, "scope", "key")
+        if fields is None:
+            return _error(400, 'expected a JSON body {"scope": "…", "key": "…"}')
+        scope, key = fields
+        found = await asyncio.to_thread(snapshots, store, scope, key)
+        if not found:
+            return _error(404, f"key {key!r} of scope {scope!r} has no holders or waiters")
+        done = await asyncio.to_thread(drop_waiters_of, store, found[0], f"{_client(request)} (web)")
+        return JSONResponse(
+            {
+                "scope": scope,
+                "key": key,
+                "dropped": [w.run_id for w in done.dropped],
+                "left": [w.run_id for w in done.left],  # admitted or settled meanwhile
+                "woke": [wake.run_id for wake in done.wakes],
+                "waiting": len(done.after.waiters) if done.after else 0,
+            }
+        )
+
     routes = [
         Route("/", index),
         Route("/api/lanes", lanes),
@@ -210,6 +231,7 @@ def create_app(
     ]
     if allow_release:
         routes.append(Route("/api/release", release, methods=["POST"]))
+        routes.append(Route("/api/drop-waiters", drop_waiters, methods=["POST"]))
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -237,6 +259,26 @@ def _client(request: Request) -> str:
 
 def _error(status: int, detail: str) -> JSONResponse:
     return JSONResponse({"error": detail}, status_code=status)
+
+
+def _refuse(request: Request, token: str | None, action: str) -> JSONResponse | None:
+    """The refusal of a request that settles runs (cross-site, or without the token), logged."""
+    refused = _refuse_cross_site(request) or _refuse_token(request, token)
+    if refused is not None:
+        logger.warning("web %s refused (%s) for %s", action, bytes(refused.body).decode(), _client(request))
+    return refused
+
+
+async def _json_fields(request: Request, *names: str) -> list[str] | None:
+    """The JSON body's ``names``, each a non-empty string; None when the body is not that."""
+    try:
+        body = await request.json()
+        values = [body[name] for name in names]
+    except (ValueError, KeyError, TypeError):
+        return None
+    if not all(isinstance(value, str) and value for value in values):
+        return None
+    return values
 
 
 def _refuse_cross_site(request: Request) -> JSONResponse | None:
