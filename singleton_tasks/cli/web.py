@@ -28,13 +28,14 @@ TOKEN_ENV = "SINGLETON_TASKS_WEB_TOKEN"
 @click.option(
     "--allow-release",
     is_flag=True,
-    help="Offer a release button on each run; a release needs the token (--token).",
+    help="Offer a release button on each run and a drop-waiters button on each lane with waiters; "
+    "both need the token (--token).",
 )
 @click.option(
     "--token",
     envvar=TOKEN_ENV,
     default=None,
-    help=f"The token a release must carry [env {TOKEN_ENV}; prefer the variable: "
+    help=f"The token a release or a drop of waiters must carry [env {TOKEN_ENV}; prefer the variable: "
     "a command line is visible to every user of the host].",
 )
 def web(
@@ -74,7 +75,7 @@ def web(
         logging.getLogger("singleton_tasks").setLevel(logging.INFO)
         click.echo(
             f"serving the lanes of {redact_url(url)} (namespace {namespace}) on http://{host}:{port}/ "
-            + ("with release (token required)" if allow_release else "read-only"),
+            + ("with release and drop of waiters (token required)" if allow_release else "read-only"),
             err=True,
         )
         uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)

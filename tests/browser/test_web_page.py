@@ -164,13 +164,17 @@ def test_lanes_show_holders_and_waiters_in_order_and_user_data_as_text(
         with pytest.raises(NoAlertPresentException):
             browser.switch_to.alert.text  # noqa: B018  (raises when no alert was opened)
 
-        # Read-only: no token field, and a run's detail has no release button.
+        # Read-only: no token field, no lane has a drop button, a run's detail no release button.
         assert not browser.find_element(By.ID, "token-field").is_displayed()
+        assert browser.find_elements(By.CSS_SELECTOR, "#lanes .drop-waiters") == []
         click(browser, run_button(seeded.a1), "the first waiter")
         detail = until(browser, lambda b: b.find_element(By.ID, "detail").is_displayed(), "the run's detail")
         assert detail
         fields = browser.find_element(By.ID, "detail-fields").text
         assert seeded.a1 in fields and "position 1" in fields and "gated" in fields
+        # Its arguments' size (the message kept to issue it again) and its live copies.
+        assert f"arguments (message kept)\n{len(seeded.a1_payload)} bytes" in fields
+        assert f"live copies (generations)\n0 (the producer's copy), {seeded.a1_generation}" in fields
         assert not browser.find_element(By.ID, "release").is_displayed()
         screenshot(browser, "web-lanes.png")
 
@@ -243,12 +247,18 @@ def test_a_handoff_by_a_real_worker_shows_without_a_reload(
     assert started == ["first", "second"]
 
 
-def test_release_is_refused_without_the_token_and_done_with_it(
+def drop_button(browser: WebDriver) -> WebElement | None:
+    found = browser.find_elements(By.CSS_SELECTOR, "#lanes .drop-waiters")
+    return found[0] if found else None
+
+
+def test_release_and_drop_are_refused_without_the_token_and_done_with_it(
     browser: WebDriver, store_factory: StoreFactory
 ) -> None:
     store = store_factory()
     run_id = f"stuck-{uuid.uuid4().hex[:8]}"
-    hold(store, "stuck", run_id)
+    waiter_id = f"behind-{uuid.uuid4().hex[:8]}"
+    hold(store, "stuck", run_id, waiter_id)
     with serving(create_app(store, interval=0.25, allow_release=True, token=TOKEN)) as base:
         browser.get(base + "/")
         until(browser, lambda b: lane(b, "stuck"), "the stuck lane")
@@ -261,9 +271,19 @@ def test_release_is_refused_without_the_token_and_done_with_it(
         result = browser.find_element(By.ID, "release-result")
         until(browser, lambda b: result.text.startswith("refused"), "the refusal")
         assert "X-Singleton-Token" in result.text
-        time.sleep(0.5)  # two intervals: the run is still there
-        assert lane(browser, "stuck") is not None
+        click(browser, drop_button, "the lane's drop button")
+        dropped = browser.find_element(By.ID, "drop-result")
+        until(browser, lambda b: dropped.text.startswith("refused"), "the drop's refusal")
+        assert "X-Singleton-Token" in dropped.text
+        time.sleep(0.5)  # two intervals: the runs are still there
+        assert run_ids(lane(browser, "stuck"), "holder") == [run_id]
+        assert run_ids(lane(browser, "stuck"), "waiter") == [waiter_id]
         browser.find_element(By.ID, "token").send_keys(TOKEN)
+        click(browser, drop_button, "the lane's drop button")
+        until(browser, lambda b: dropped.text == "dropped 1 waiters of stuck", "the drop")
+        until(browser, lambda b: run_ids(lane(b, "stuck"), "waiter") == [], "the waiter gone")
+        assert drop_button(browser) is None  # no waiters: no button
+        assert run_ids(lane(browser, "stuck"), "holder") == [run_id]  # the holder stays
         release.click()
         until(browser, lambda b: result.text.startswith("released " + run_id), "the release")
         until(browser, lambda b: lane(b, "stuck") is None, "the lane gone")

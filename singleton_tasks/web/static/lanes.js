@@ -25,6 +25,16 @@
     return new Date(epoch * 1000).toLocaleTimeString();
   }
 
+  function size(bytes) {
+    if (bytes === null || bytes === undefined) return "none kept";
+    return bytes === 1 ? "1 byte" : bytes + " bytes";
+  }
+
+  function generations(live) {
+    if (!live || !live.length) return "none";
+    return live.map((g) => (g === 0 ? "0 (the producer's copy)" : String(g))).join(", ");
+  }
+
   const WAITER_GLYPH = { pending: "○", gated: "●", woken: "◉", phantom: "✕" };
 
   function holderButton(lane, holder, now) {
@@ -69,6 +79,12 @@
       el("span", "lane-meta", "slots " + lane.holders.length + "/" + lane.limit + " · waiters " + lane.waiters.length
         + " · token " + lane.token),
     );
+    if (view.frame.allow_release && lane.waiters.length) {
+      const drop = el("button", "drop-waiters", "drop " + lane.waiters.length + " waiters");
+      drop.type = "button";
+      drop.addEventListener("click", () => dropWaiters(lane));
+      head.append(drop);
+    }
     const slots = el("div", "runs slots");
     for (const holder of lane.holders) slots.append(holderButton(lane, holder, now));
     for (let free = lane.holders.length; free < lane.limit; free++) slots.append(el("span", "run slot free", "· free slot"));
@@ -125,13 +141,16 @@
       field(list, "admitted", clock(run.admitted_at) + " (" + seconds(now - run.admitted_at) + " ago)");
       field(list, "last seen (heartbeat)", clock(run.heartbeat_at) + " (lease age " + seconds(run.lease_age) + ")");
       field(list, "lease expires", clock(run.lease_expires_at));
+      field(list, "arguments (message kept)", size(run.payload_bytes) + " (a holder is never issued again)");
     } else {
       field(list, "role", "waiter, position " + run.position);
       field(list, "state", run.state + (run.confirmed ? "" : ", enqueue not confirmed"));
       field(list, "registered", clock(run.created_at) + " (" + seconds(run.waiting) + " ago)");
       field(list, "last seen (a copy)", clock(run.seen_at));
       field(list, "reissued if unseen by", clock(run.reissue_at));
+      field(list, "arguments (message kept)", size(run.payload_bytes));
     }
+    field(list, "live copies (generations)", generations(run.live_generations));
     $("release").hidden = !view.frame.allow_release;
   }
 
@@ -216,6 +235,25 @@
       const body = await response.json();
       result.textContent = response.ok
         ? "released " + body.released + (body.woke.length ? "; woke " + body.woke.join(", ") : "")
+        : "refused: " + body.error;
+    } catch (error) {
+      result.textContent = "failed: " + error;
+    }
+  }
+
+  async function dropWaiters(lane) {
+    const result = $("drop-result");
+    result.textContent = "dropping the waiters of " + lane.key + "…";
+    try {
+      const response = await fetch("/api/drop-waiters", {
+        method: "POST",
+        headers: { "Content-Type": "application/json", "X-Singleton-Token": $("token").value },
+        body: JSON.stringify({ scope: lane.scope, key: lane.key }),
+      });
+      const body = await response.json();
+      result.textContent = response.ok
+        ? "dropped " + body.dropped.length + " waiters of " + body.key
+          + (body.left.length ? "; left (admitted or settled meanwhile) " + body.left.join(", ") : "")
         : "refused: " + body.error;
     } catch (error) {
       result.textContent = "failed: " + error;
