@@ -302,3 +302,102 @@ def test_every_open_page_sees_a_change_within_a_second_from_one_shared_snapshot(
         # Six pages, one read per interval: not six reads per interval.
         assert app.state.watch.reads - reads_before <= elapsed / 0.5 + 2
     assert app.state.watch.subscribers == 0  # every closed page unsubscribed
+
+
+def test_a_store_down_at_start_shows_its_error_and_is_read_once_per_interval(tmp_path: Path) -> None:
+    """The store unreachable before the first snapshot: every page gets an empty frame with the
+    error (the page's banner), never a 500, and the store is asked once per interval, not once
+    per request. The password in the URL is on no page."""
+    from singleton_tasks import store_from_url
+
+    store = store_from_url("redis://:hunter2@127.0.0.1:1/0?socket_connect_timeout=0.2")
+    reads: list[float] = []
+
+    def counting(read_store: Store) -> dict[str, Any]:
+        reads.append(time.monotonic())
+        from singleton_tasks.web.lanes import read_frame
+
+        return read_frame(read_store)
+
+    app = create_app(store, interval=30.0, scrub=lambda text: text.replace("hunter2", "***"))
+    app.state.watch._read = counting
+    with TestClient(app, base_url=HOST) as http:
+        answers = [http.get("/api/lanes") for _ in range(5)]
+    assert [a.status_code for a in answers] == [200] * 5
+    page = answers[-1].json()
+    assert page["keys"] == [] and page["error"] and "hunter2" not in answers[-1].text
+    assert answers[-1].headers["content-security-policy"] == CONTENT_SECURITY_POLICY
+    assert len(reads) == 1
+
+
+@pytest.mark.parametrize(
+    ("bound", "allowed", "asked", "status"),
+    [
+        ("127.0.0.1", (), "127.0.0.1:8080", 200),
+        ("127.0.0.2", (), "127.0.0.2:8080", 200),  # its own address
+        ("127.0.0.1", (), "127.evil.example", 400),
+        ("0.0.0.0", (), "evil.example:8080", 400),  # every address: still only the names allowed
+        ("0.0.0.0", (), "localhost:8080", 200),
+        ("0.0.0.0", ("lanes.internal",), "lanes.internal:8080", 200),
+        ("10.1.2.3", (), "10.1.2.3:8080", 200),
+        ("10.1.2.3", (), "evil.example", 400),
+        ("0.0.0.0", ("*",), "evil.example", 200),  # asked for: any name
+    ],
+)
+def test_only_the_host_names_the_server_is_reached_by_are_answered(
+    store_factory: StoreFactory, bound: str, allowed: tuple[str, ...], asked: str, status: int
+) -> None:
+    """DNS rebinding on any bind address: a site that points its own name at the server reads
+    nothing, unless its name is among ``allowed_hosts`` (``--allowed-host``)."""
+    app = create_app(store_factory(), host=bound, allowed_hosts=allowed)
+    with TestClient(app, base_url=HOST) as http:
+        assert http.get("/api/lanes", headers={"Host": asked}).status_code == status
+
+
+@pytest.mark.slow
+def test_the_command_stops_on_sigterm_with_a_page_open(tmp_path: Path) -> None:
+    """A browser tab left open must not keep ``singleton-tasks web`` from stopping (systemd,
+    containers): the event streams are closed after a short grace."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [
+        sys.executable,
+        "-m",
+        "singleton_tasks.cli",
+        "web",
+        "--store",
+        f"sqlite:///{tmp_path / 's.db'}",
+    ]
+    log = (tmp_path / "web.log").open("w")
+    server = subprocess.Popen([*command, "--port", str(port)], stderr=log)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                httpx.get(f"{base}/api/lanes", timeout=1).raise_for_status()
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline and server.poll() is None, "the server did not start"
+                time.sleep(0.1)
+        # A page's event stream as a browser holds it: open, its first frame read, never closed.
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as page:
+            page.sendall(b"GET /api/events HTTP/1.1\r\nHost: 127.0.0.1\r\nAccept: text/event-stream\r\n\r\n")
+            received = b""
+            while b"event: frame" not in received:
+                received += page.recv(65536)
+            server.send_signal(signal.SIGTERM)
+            stopped = time.monotonic()
+            server.wait(timeout=15)  # raises TimeoutExpired while the open page holds it up
+            assert time.monotonic() - stopped < 10
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+        log.close()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import click
@@ -73,8 +73,17 @@ def _holder_status(holder: HolderView) -> str:
     return "executing" if holder.executing else "waiting_for_retry"
 
 
-def inspect_document(store: Store, snaps: Sequence[KeySnapshot], now: float) -> dict[str, Any]:
-    """The ``inspect --json`` document (format described in :data:`JSON_HELP`)."""
+def inspect_document(
+    store: Store,
+    snaps: Sequence[KeySnapshot],
+    now: float,
+    *,
+    schema_version: Callable[[], int | None] | None = None,
+) -> dict[str, Any]:
+    """The ``inspect --json`` document (format described in :data:`JSON_HELP`).
+
+    ``schema_version`` reads the schema's version (the store's own by default).
+    """
     keys = []
     for snap in snaps:
         keys.append(
@@ -120,7 +129,7 @@ def inspect_document(store: Store, snaps: Sequence[KeySnapshot], now: float) -> 
         "format": JSON_FORMAT,
         "store": store.url,
         "namespace": store.namespace,
-        "schema_version": store.schema_version(),
+        "schema_version": (schema_version or store.schema_version)(),
         "now": now,
         "totals": {
             "keys": len(snaps),

@@ -12,12 +12,22 @@ from ..stores.choice import default_store_url
 from ._open import StoreProblem, open_store, store_options
 
 TOKEN_ENV = "SINGLETON_TASKS_WEB_TOKEN"
+#: Seconds an open page's event stream may delay a shutdown (a tab left open never ends it).
+SHUTDOWN_GRACE = 2
 
 
 @click.command()
 @store_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535), help="Port.")
+@click.option(
+    "--allowed-host",
+    "allowed_hosts",
+    multiple=True,
+    metavar="NAME",
+    help="A host name the page is reached by, besides the --host address (and the loopback names "
+    "on a loopback or 0.0.0.0); repeatable; '*' for any. Other names are refused (DNS rebinding).",
+)
 @click.option(
     "--interval",
     default=1.0,
@@ -43,6 +53,7 @@ def web(
     namespace: str,
     host: str,
     port: int,
+    allowed_hosts: tuple[str, ...],
     interval: float,
     allow_release: bool,
     token: str | None,
@@ -58,6 +69,7 @@ def web(
         import uvicorn
 
         from ..web import create_app
+        from ..web.app import accepted_host_names
     except ImportError as error:
         raise StoreProblem(
             f"singleton-tasks web needs the web extra: pip install 'singleton-tasks[web]' ({error})"
@@ -70,6 +82,7 @@ def web(
             allow_release=allow_release,
             token=token,
             host=host,
+            allowed_hosts=allowed_hosts,
             scrub=lambda text: scrub_secrets(text, url),
         )
         logging.getLogger("singleton_tasks").setLevel(logging.INFO)
@@ -78,4 +91,15 @@ def web(
             + ("with release and drop of waiters (token required)" if allow_release else "read-only"),
             err=True,
         )
-        uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+        names = accepted_host_names(host, allowed_hosts)
+        click.echo(
+            f"answering requests for {'any host name' if '*' in names else ', '.join(names)}", err=True
+        )
+        uvicorn.run(
+            app,
+            host=host,
+            port=port,
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=SHUTDOWN_GRACE,
+        )

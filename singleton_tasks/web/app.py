@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from importlib import resources
 from typing import Any
@@ -107,8 +108,23 @@ def _query(request: Request) -> tuple[str, str, int]:
     return task, key, page
 
 
-def is_loopback(host: str) -> bool:
-    return host in LOOPBACK_HOSTS or host.startswith("127.")
+def accepted_host_names(host: str, allowed: Sequence[str] = ()) -> list[str]:
+    """The names a request's Host header may give for a server listening on ``host``: the
+    address itself, the loopback names when it listens on a loopback address or on every
+    address, and ``allowed`` (``"*"``: any name). Any other name is a site that points its own
+    name at this server (DNS rebinding): it is refused."""
+    names = list(allowed)
+    try:
+        address: ipaddress.IPv4Address | ipaddress.IPv6Address | None = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        address = None  # a host name
+    if address is None:
+        names.append(host)
+    elif not address.is_unspecified:
+        names += [str(address), f"[{address}]"] if address.version == 6 else [str(address)]
+    if host == "localhost" or (address is not None and (address.is_loopback or address.is_unspecified)):
+        names += LOOPBACK_HOSTS
+    return list(dict.fromkeys(name.lower() for name in names))
 
 
 def create_app(
@@ -118,14 +134,15 @@ def create_app(
     allow_release: bool = False,
     token: str | None = None,
     host: str = "127.0.0.1",
+    allowed_hosts: Sequence[str] = (),
     page_size: int = PAGE_SIZE,
     scrub: Callable[[str], str] = str,
 ) -> Starlette:
     """The web view of ``store``: one snapshot per ``interval`` seconds shared by every page.
 
     ``allow_release`` adds the routes that settle runs (release, drop waiters), which need
-    ``token`` (required then). Served on a
-    loopback ``host``, requests must name a loopback host (see :data:`LOOPBACK_HOSTS`).
+    ``token`` (required then). A request must name the server by one of
+    :func:`accepted_host_names` (``host``'s, and ``allowed_hosts``).
     """
     if allow_release and not token:
         raise ValueError("allow_release needs a token")
@@ -242,9 +259,10 @@ def create_app(
         finally:
             watch.close()
 
-    middleware = [Middleware(_SecurityHeaders)]
-    if is_loopback(host):
-        middleware.append(Middleware(TrustedHostMiddleware, allowed_hosts=LOOPBACK_HOSTS))
+    middleware = [
+        Middleware(_SecurityHeaders),
+        Middleware(TrustedHostMiddleware, allowed_hosts=accepted_host_names(host, allowed_hosts)),
+    ]
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
     app.state.watch = watch
     return app

@@ -221,9 +221,11 @@ class LaneWatch:
                 frame = self._read(self.store)
             except Exception as error:  # the store down: the pages say so and the watch retries
                 self._error = self._scrub(f"{type(error).__name__}: {error}")
-                self._read_at = started
-                if self._frame is None:
-                    raise
+                with self._lock:
+                    # Down from the start: an empty frame, so pages show the error (and the
+                    # store is asked again only an interval later, not by every request).
+                    self._frame = self._frame or self._empty_frame()
+                    self._read_at = started
                 return
             self._error = None
             self.handoffs.observe(frame)
@@ -234,6 +236,12 @@ class LaneWatch:
                 self.reads += 1
         if self._on_frame is not None:
             self._on_frame()
+
+    def _empty_frame(self) -> Frame:
+        """A frame of no keys, as the store's document would be with none busy."""
+        frame = inspect_document(self.store, [], time.time(), schema_version=lambda: None)
+        del frame["store"]  # as read_frame: never on the page
+        return {**frame, "handoffs": [], "interval": self.interval}
 
     def _run(self) -> None:
         while True:
