@@ -401,3 +401,17 @@ def test_the_command_stops_on_sigterm_with_a_page_open(tmp_path: Path) -> None:
             server.kill()
             server.wait()
         log.close()
+
+
+def test_an_error_answer_carries_the_security_headers_and_no_password() -> None:
+    """A release while the store is down fails inside the route (an unhandled error): the 500
+    still carries the Content-Security-Policy, and says nothing of the store's URL."""
+    from singleton_tasks import store_from_url
+
+    store = store_from_url("redis://:hunter2@127.0.0.1:1/0?socket_connect_timeout=0.2")
+    app = create_app(store, allow_release=True, token=TOKEN)
+    with TestClient(app, base_url=HOST, raise_server_exceptions=False) as http:
+        answer = http.post("/api/release", json={"run_id": "r"}, headers={TOKEN_HEADER: TOKEN})
+    assert answer.status_code == 500
+    assert answer.headers["content-security-policy"] == CONTENT_SECURITY_POLICY
+    assert "hunter2" not in answer.text and "127.0.0.1:1" not in answer.text

@@ -263,7 +263,18 @@ def create_app(
         Middleware(_SecurityHeaders),
         Middleware(TrustedHostMiddleware, allowed_hosts=accepted_host_names(host, allowed_hosts)),
     ]
-    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
+
+    async def internal_error(request: Request, error: Exception) -> Response:
+        # Starlette answers an unhandled error outside every middleware: the headers go here too.
+        logger.error("web: %s failed", request.url.path, exc_info=error)
+        return JSONResponse({"error": "internal error"}, status_code=500, headers=SECURITY_HEADERS)
+
+    app = Starlette(
+        routes=routes,
+        middleware=middleware,
+        lifespan=lifespan,
+        exception_handlers={Exception: internal_error},
+    )
     app.state.watch = watch
     return app
 
