@@ -17,7 +17,7 @@ from typing import Any
 
 import click
 
-from ..outcomes import HolderView, KeySnapshot, WaiterView, Wake
+from ..outcomes import HolderView, KeySnapshot, ReleaseOutcome, WaiterView, Wake
 from ..stores import Store, redact_url
 from ..stores.base import scrub_secrets
 from ._open import StoreProblem, snapshots
@@ -42,6 +42,34 @@ def find_run(snaps: Sequence[KeySnapshot], run_id: str) -> tuple[KeySnapshot, Ho
             if run.run_id == run_id:
                 return snap, run
     return None
+
+
+def describe_run(snap: KeySnapshot, run: HolderView | WaiterView) -> str:
+    """``run`` as an operator reads it: what it is in its key's lane, and the key."""
+    if isinstance(run, HolderView):
+        role = f"holder (token {run.token}, {'executing' if run.executing else 'waiting for retry'})"
+    else:
+        role = f"waiter (position {run.position}, {run.state.value})"
+    return f"run {run.run_id}: {role} of key {snap.key!r} (scope {snap.scope!r})"
+
+
+def release_run(
+    store: Store, snap: KeySnapshot, run: HolderView | WaiterView, operator: str
+) -> ReleaseOutcome | None:
+    """Free ``run``'s slot or place in line (``Store.operator_release``) and log it, naming
+    ``operator``; None, logging nothing, when it settled meanwhile."""
+    outcome = store.operator_release(run.run_id)
+    if outcome is None or not outcome.released:
+        return None
+    logger.warning(
+        "operator release by %s: %s in %s namespace %r; woke %s",
+        operator,
+        describe_run(snap, run),
+        store.url,
+        store.namespace,
+        [w.run_id for w in outcome.wakes] or "nobody",
+    )
+    return outcome
 
 
 @dataclass(frozen=True)

@@ -2,23 +2,23 @@
 
 from __future__ import annotations
 
-import logging
 import sys
 
 import click
 
-from ..outcomes import HolderView, KeySnapshot, ReleaseOutcome, WaiterView
+from ..outcomes import KeySnapshot, ReleaseOutcome
 from ..stores import Store
 from ._open import open_store, snapshots, store_options
-from ._settling import confirm_and_broker_options, find_run, open_broker, publish_wakes, report_wakes, who
-
-logger = logging.getLogger("singleton_tasks")
-
-
-def _describe(run: HolderView | WaiterView) -> str:
-    if isinstance(run, HolderView):
-        return f"holder (token {run.token}, {'executing' if run.executing else 'waiting for retry'})"
-    return f"waiter (position {run.position}, {run.state.value})"
+from ._settling import (
+    confirm_and_broker_options,
+    describe_run,
+    find_run,
+    open_broker,
+    publish_wakes,
+    release_run,
+    report_wakes,
+    who,
+)
 
 
 def _report_next(store: Store, snap: KeySnapshot, outcome: ReleaseOutcome, published: set[str]) -> None:
@@ -57,21 +57,13 @@ def release(store_url: str | None, namespace: str, run_id: str, yes: bool, broke
             )
             sys.exit(1)
         snap, run = found
-        what = f"run {run_id}: {_describe(run)} of key {snap.key!r} (scope {snap.scope!r})"
+        what = describe_run(snap, run)
         if not yes and not click.confirm(f"Release {what}?", default=False):
             click.echo("not released", err=True)
             sys.exit(1)
-        outcome = store.operator_release(run_id)
-        if outcome is None or not outcome.released:
+        outcome = release_run(store, snap, run, who())
+        if outcome is None:
             click.echo(f"run {run_id} settled meanwhile: nothing released", err=True)
             sys.exit(1)
-        logger.warning(
-            "operator release by %s: %s in %s namespace %r; woke %s",
-            who(),
-            what,
-            store.url,
-            store.namespace,
-            [w.run_id for w in outcome.wakes] or "nobody",
-        )
         click.echo(f"released {what}")
         _report_next(store, snap, outcome, published=publish_wakes(broker, broker_url, outcome.wakes))

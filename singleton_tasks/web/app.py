@@ -29,7 +29,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..cli._open import snapshots
-from ..cli._settling import drop_waiters_of, find_run
+from ..cli._settling import drop_waiters_of, find_run, release_run
 from ..outcomes import HolderView
 from ..stores import Store
 from .lanes import PAGE_SIZE, Frame, LaneWatch, page_of
@@ -197,22 +197,11 @@ def create_app(
         if found is None:
             return _error(404, f"run {run_id} is not registered")
         snap, run = found
-        outcome = await asyncio.to_thread(store.operator_release, run_id)
-        if outcome is None or not outcome.released:
+        outcome = await asyncio.to_thread(release_run, store, snap, run, _operator(request))
+        if outcome is None:
             return _error(409, f"run {run_id} settled meanwhile: nothing released")
         what = "holder" if isinstance(run, HolderView) else "waiter"
         woke = [wake.run_id for wake in outcome.wakes]
-        logger.warning(
-            "operator release by %s (web): run %s, %s of key %r (scope %r) in %s namespace %r; woke %s",
-            _client(request),
-            run_id,
-            what,
-            snap.key,
-            snap.scope,
-            store.url,
-            store.namespace,
-            woke or "nobody",
-        )
         return JSONResponse(
             {"released": run_id, "was": what, "scope": snap.scope, "key": snap.key, "woke": woke}
         )
@@ -228,7 +217,7 @@ def create_app(
         found = await asyncio.to_thread(snapshots, store, scope, key)
         if not found:
             return _error(404, f"key {key!r} of scope {scope!r} has no holders or waiters")
-        done = await asyncio.to_thread(drop_waiters_of, store, found[0], f"{_client(request)} (web)")
+        done = await asyncio.to_thread(drop_waiters_of, store, found[0], _operator(request))
         return JSONResponse(
             {
                 "scope": scope,
@@ -277,6 +266,11 @@ def create_app(
     )
     app.state.watch = watch
     return app
+
+
+def _operator(request: Request) -> str:
+    """Who asked for a release or a drop, as the log names them: the client, through the web."""
+    return f"{_client(request)} (web)"
 
 
 def _client(request: Request) -> str:

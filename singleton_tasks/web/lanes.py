@@ -12,12 +12,13 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..cli._open import snapshots
 from ..cli.inspect import inspect_document
+from ..outcomes import KeySnapshot
 from ..stores import Store
 
 #: Lanes per page: a page of this many keys renders in a few milliseconds in a browser.
@@ -100,10 +101,15 @@ class HandoffTracker:
 
 
 def read_frame(store: Store) -> Frame:
-    """One snapshot of the store as the page's data: ``inspect --json``'s document, less the URL."""
-    snaps = snapshots(store)
-    document = inspect_document(store, snaps, store.time())
-    del document["store"]  # the page never shows where the store is (nor its password)
+    """One snapshot of the store as the page's data."""
+    return _page_document(store, snapshots(store), store.time())
+
+
+def _page_document(store: Store, snaps: Sequence[KeySnapshot], now: float, **options: Any) -> Frame:
+    """``inspect --json``'s document, less the URL: the page never shows where the store is (nor
+    its password)."""
+    document = inspect_document(store, snaps, now, **options)
+    del document["store"]
     return document
 
 
@@ -239,8 +245,7 @@ class LaneWatch:
 
     def _empty_frame(self) -> Frame:
         """A frame of no keys, as the store's document would be with none busy."""
-        frame = inspect_document(self.store, [], time.time(), schema_version=lambda: None)
-        del frame["store"]  # as read_frame: never on the page
+        frame = _page_document(self.store, [], time.time(), schema_version=lambda: None)
         return {**frame, "handoffs": [], "interval": self.interval}
 
     def _run(self) -> None:
