@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,6 +23,7 @@ from services import require_server
 
 from singleton_tasks import Store, metrics, store_from_url
 from singleton_tasks.confirms import flush_all_confirms
+from singleton_tasks.runtime import Gatekeeper
 
 REDIS_URL = os.environ.get("SINGLETON_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 POSTGRES_URL = os.environ.get("SINGLETON_TEST_POSTGRES_URL", "postgresql://127.0.0.1:5432/test")
@@ -78,8 +80,46 @@ def backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
+#: The library's background threads; none may outlive the test that started it.
+BACKGROUND_THREADS = ("singleton-heartbeat", "singleton-confirm")
+
+
+@pytest.fixture(autouse=True)
+def gatekeepers(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Gatekeeper]]:
+    """Every :class:`Gatekeeper` a test makes (a Celery app's, a middleware's), closed after it.
+
+    A gatekeeper left open keeps its heartbeat ticking against a store the test closed, logging a
+    traceback every interval for the rest of the session. Python 3.11 parses source with ``ast``
+    to format each traceback, and ``ast`` is not thread-safe there (CPython gh-106905): the model
+    test's Hypothesis failed with "AST constructor recursion depth mismatch" beside such a thread.
+    """
+    before = set(threading.enumerate())
+    made: list[Gatekeeper] = []
+    init = Gatekeeper.__init__
+
+    def tracked_init(self: Gatekeeper, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(Gatekeeper, "__init__", tracked_init)
+    yield made
+    close_gatekeepers(made)
+    for thread in set(threading.enumerate()) - before:
+        if thread.name in BACKGROUND_THREADS:
+            thread.join(timeout=5.0)
+            if thread.is_alive():
+                pytest.fail(f"the test left {thread.name} running", pytrace=False)
+
+
+def close_gatekeepers(made: list[Gatekeeper]) -> None:
+    while made:
+        made.pop().close()
+
+
 @pytest.fixture
-def store_factory(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[StoreFactory]:
+def store_factory(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest, gatekeepers: list[Gatekeeper]
+) -> Iterator[StoreFactory]:
     """Make stores on one server; each test gets its own namespace unless it names one."""
     url = backend_url(backend, tmp_path, request)
     default_namespace = f"t{uuid.uuid4().hex[:12]}"
@@ -92,7 +132,8 @@ def store_factory(backend: str, tmp_path: Path, request: pytest.FixtureRequest) 
         return store
 
     yield make
-    flush_all_confirms()  # a producer's confirm thread must not use a store being closed
+    close_gatekeepers(gatekeepers)  # no heartbeat or confirm thread may use a store being closed
+    flush_all_confirms()
     for store in made:
         store.close()
     purge_namespaces(backend, url, {store.namespace for store in made})
