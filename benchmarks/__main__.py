@@ -133,7 +133,7 @@ def main(
     # The defaults forms start a `dramatiq` worker process per run: one each at the smallest size.
     defaults_runs = runs if size != "small" else 1
     steps: dict[str, Callable[[], None]] = {
-        "noop": lambda: dq.case_noop(report, spec, slow_runs),
+        "noop": lambda: dq.case_noop(report, spec, slow_runs, kinds),
         "burst": lambda: _burst(report, spec, slow_runs, defaults_runs, kinds, timeouts[-1]),
         "handoff": lambda: _handoff(report, spec, defaults_runs, kinds, timeouts),
         "roundtrips": lambda: dq.case_round_trips(report, spec),
@@ -145,7 +145,7 @@ def main(
         "cluster": lambda: _cluster(report, spec, slow_runs, cluster_url, timeouts[-1]),
         "replicas": lambda: dq.case_replicas(report, spec, slow_runs),
         "idle": lambda: _idle(report, spec, defaults_runs),
-        "send": lambda: dq.case_send(report, spec, runs, kinds),
+        "send": lambda: _send(report, spec, runs, kinds),
     }
     started = time.perf_counter()
     for name in CASES:
@@ -190,6 +190,13 @@ def _celery(report: Report, spec: object, runs: int, kinds: list[str]) -> None:
     from . import celery_cases
 
     celery_cases.case_celery(report, spec, runs, kinds)  # type: ignore[arg-type]
+
+
+def _send(report: Report, spec: Size, runs: int, kinds: list[str]) -> None:
+    from . import celery_cases, dramatiq_cases
+
+    dramatiq_cases.case_send(report, spec, runs, kinds)
+    celery_cases.case_celery_send(report, spec.noop, runs, kinds)
 
 
 def _growth(report: Report, spec: object, stores: list[str]) -> None:

@@ -11,10 +11,11 @@ from typing import Any
 from celery import Celery, signals
 from celery.contrib.testing.worker import start_worker
 
-from singleton_tasks.celery import SingletonTask, install
+from singleton_tasks.celery import SingletonTask, gatekeeper_for, install
 
 from .common import (
     BROKER_REDIS_URL,
+    FLOOR_TARGET,
     RABBITMQ_URL,
     STORE_REDIS_URL,
     THREADS,
@@ -23,16 +24,23 @@ from .common import (
     Row,
     Size,
     alternate,
+    chart_against_floor,
+    floor_goal,
     flush_redis,
     ratio_to_floor,
+    timed_sends,
     unique,
 )
-from .dramatiq_cases import BURST_STARTS, BurstOrders, Recorder, Span, add_burst_rows, warm_up
+from .dramatiq_cases import BURST_STARTS, BurstOrders, Recorder, Span, add_burst_rows, add_cost_rows, warm_up
 
 BROKERS = {"redis": "Redis", "rabbitmq": "RabbitMQ"}
+#: The tools Celery users pick instead (docs/migrating.md), each locking in the store's Redis:
+#: at ``.delay()``, unlocked when the run ends. Neither makes a duplicate wait: on distinct keys
+#: they do the same work as a gate whose runs never wait.
+OTHER_TOOLS = {"celery-singleton": "celery-singleton 0.3.1", "celery-once": "celery-once 3.0.1"}
 
 
-def _app(kind: str, singleton: bool, acks_late: bool = False) -> Celery:
+def _app(kind: str, variant: str, acks_late: bool = False) -> Celery:
     url = BROKER_REDIS_URL if kind == "redis" else RABBITMQ_URL.rstrip("/") + "//"
     app = Celery(unique("bench"), broker=url, set_as_current=False)
     app.conf.update(
@@ -43,16 +51,39 @@ def _app(kind: str, singleton: bool, acks_late: bool = False) -> Celery:
         worker_prefetch_multiplier=4,
         task_acks_late=acks_late,
     )
-    if singleton:
+    if variant == "singleton":
         install(app, STORE_REDIS_URL, namespace=unique("ns"))
+    elif variant == "celery-singleton":
+        app.conf.singleton_backend_url = STORE_REDIS_URL
+        app.conf.singleton_key_prefix = unique("cs") + ":"
+    elif variant == "celery-once":
+        app.conf.ONCE = {
+            "backend": "celery_once.backends.Redis",
+            "settings": {"url": STORE_REDIS_URL, "default_timeout": 3600},
+        }
     return app
+
+
+def _task_options(variant: str, key: str | None) -> dict[str, Any]:
+    """``app.task`` options of ``variant``'s task: distinct keys (``k:{i}``), or one ``key``."""
+    if variant == "singleton":
+        return {"base": SingletonTask, "singleton": {"key": key if key is not None else "k:{i}"}}
+    if variant == "celery-singleton":
+        from celery_singleton import Singleton  # type: ignore[import-untyped]
+
+        return {"base": Singleton, "unique_on": [] if key is not None else ["i"]}
+    if variant == "celery-once":
+        from celery_once import QueueOnce  # type: ignore[import-untyped]
+
+        return {"base": QueueOnce, "once": {"keys": [] if key is not None else ["i"], "graceful": True}}
+    return {}
 
 
 class Rig:
     def __init__(
         self,
         kind: str,
-        singleton: bool,
+        variant: str,
         expected: int,
         *,
         key: str | None,
@@ -62,7 +93,7 @@ class Rig:
     ) -> None:
         """``floor``: a bare store round trip before and after each body (where the gate's go)."""
         self.kind = kind
-        self.app = _app(kind, singleton, acks_late)
+        self.app = _app(kind, variant, acks_late)
         self.recorder = Recorder(expected)
         recorder = self.recorder
 
@@ -71,9 +102,7 @@ class Rig:
                 if body:
                     time.sleep(body)
 
-        options: dict[str, Any] = {"name": unique("task"), "shared": False}
-        if singleton:
-            options.update(base=SingletonTask, singleton={"key": key if key is not None else "k:{i}"})
+        options = {"name": unique("task"), "shared": False, **_task_options(variant, key)}
         self.task = self.app.task(**options)(run)
         self.round_trips: BareRoundTrips | None = None
         if floor:
@@ -120,7 +149,7 @@ def _worker(rig: Rig) -> Iterator[None]:
 
 def _measure(
     kind: str,
-    singleton: bool,
+    variant: str,
     n: int,
     *,
     key: str | None,
@@ -129,22 +158,25 @@ def _measure(
     acks_late: bool = False,
     floor: bool = False,
     start: str = "queued",
-) -> list[Span]:
+) -> tuple[list[Span], float | None]:
     """Run ``n`` bodies, queued before the worker starts or sent to it running (``BURST_STARTS``).
 
-    Returns the body spans (first start → last end is timed).
+    Returns the body spans (first start → last end is timed) and, sent to a running worker, when
+    the first was sent.
     """
-    rig = Rig(kind, singleton, n, key=key, body=body, acks_late=acks_late, floor=floor)
+    rig = Rig(kind, variant, n, key=key, body=body, acks_late=acks_late, floor=floor)
     try:
+        sent_at = None
         if start == "queued":
             rig.send(n)
         with _worker(rig):
             if start == "running":
                 warm_up(rig.recorder, lambda: rig.task.delay(-1))
+                sent_at = time.perf_counter()
                 rig.send(n)
             if not rig.recorder.done.wait(cap):
                 raise RuntimeError(f"celery: only {len(rig.recorder.spans)}/{n} bodies ran in {cap:.0f} s")
-        return rig.recorder.ordered()
+        return rig.recorder.ordered(), sent_at
     finally:
         rig.close()
 
@@ -157,8 +189,8 @@ def case_celery(report: Report, size: Size, runs: int, kinds: list[str]) -> None
 def _celery(report: Report, size: Size, runs: int, kind: str) -> None:
     n = size.celery_noop
 
-    def noop(singleton: bool, acks_late: bool = False, floor: bool = False) -> float:
-        spans = _measure(kind, singleton, n, key=None, body=0.0, cap=300, acks_late=acks_late, floor=floor)
+    def noop(variant: str, acks_late: bool = False, floor: bool = False) -> float:
+        spans, _ = _measure(kind, variant, n, key=None, body=0.0, cap=300, acks_late=acks_late, floor=floor)
         return (n - 1) / (spans[-1].end - spans[0].start)
 
     # SingletonTask acks late (docs/concepts.md#leases); plain Celery acks early by default. The acks_late
@@ -166,11 +198,12 @@ def _celery(report: Report, size: Size, runs: int, kind: str) -> None:
     results = alternate(
         runs,
         [
-            ("plain", lambda: noop(False)),
-            ("singleton", lambda: noop(True)),
-            ("late", lambda: noop(False, acks_late=True)),
-            ("floor", lambda: noop(False, acks_late=True, floor=True)),
-        ],
+            ("plain", lambda: noop("plain")),
+            ("singleton", lambda: noop("singleton")),
+            ("late", lambda: noop("plain", acks_late=True)),
+            ("floor", lambda: noop("plain", acks_late=True, floor=True)),
+        ]
+        + [(tool, functools.partial(noop, tool)) for tool in OTHER_TOOLS],
     )
     case = f"8 Celery no-op ×{n:,}, distinct keys, {BROKERS[kind]} broker"
     report.add(Row(case, "plain Celery", "runs/s", results["plain"], key=f"celery.{kind}.noop.plain"))
@@ -206,24 +239,47 @@ def _celery(report: Report, size: Size, runs: int, kind: str) -> None:
             key=f"celery.{kind}.noop.singleton",
         )
     )
+    for tool, name in OTHER_TOOLS.items():
+        report.add(
+            Row(
+                case,
+                name,
+                "runs/s",
+                results[tool],
+                baseline="plain Celery",
+                key=f"celery.{kind}.noop.{tool}",
+                note="locks at .delay(), unlocks when the run ends; a duplicate is refused, never queued",
+            )
+        )
+    chart_against_floor(
+        report,
+        f"Celery no-op, {BROKERS[kind]} broker",
+        results,
+        {
+            "plain": "plain",
+            "floor": "floor: plain, acks_late + 2 round trips",
+            "singleton": "singleton-tasks",
+            **OTHER_TOOLS,
+        },
+    )
     ratio, measured = ratio_to_floor(results)
-    report.target("8", f"Celery no-op on {BROKERS[kind]}: ≥ 0.80× plain", measured, ratio >= 0.8)
+    report.target("8", floor_goal(f"Celery no-op on {BROKERS[kind]}"), measured, ratio >= FLOOR_TARGET)
 
     b, body = size.celery_burst, size.burst_body
     ideal = b * body
     orders = BurstOrders()
 
-    def burst(singleton: bool, start: str = "queued") -> float:
-        spans = _measure(kind, singleton, b, key="burst", body=body, cap=120, start=start)
-        if singleton:
-            orders.record(start, spans)
+    def burst(variant: str, start: str = "queued") -> float:
+        spans, sent_at = _measure(kind, variant, b, key="burst", body=body, cap=120, start=start)
+        if variant == "singleton":
+            orders.record(start, spans, sent_at)
         return spans[-1].end - spans[0].start
 
     # Plain Celery runs the burst 8 at a time (no mutex): shown for the cost of the worker alone.
     results = alternate(
         runs,
-        [("plain", functools.partial(burst, False))]
-        + [(start, functools.partial(burst, True, start)) for start in BURST_STARTS],
+        [("plain", functools.partial(burst, "plain"))]
+        + [(start, functools.partial(burst, "singleton", start)) for start in BURST_STARTS],
     )
     case = f"8 Celery burst {b}×{body * 1000:.0f} ms, one key, {BROKERS[kind]} broker"
     report.add(Row(case, "ideal", "s", [ideal], note="n × body (serial)"))
@@ -239,4 +295,82 @@ def _celery(report: Report, size: Size, runs: int, kind: str) -> None:
         results=results,
         ideal=ideal,
         orders=orders,
+    )
+
+
+# -- case 13 on Celery: .delay() ------------------------------------------------------------
+def case_celery_send(report: Report, n: int, runs: int, kinds: list[str]) -> None:
+    """Producer side only: ``n`` ``.delay()`` calls in a loop, no worker; the singleton's time
+    includes its confirms (batched off the caller's thread) until the last one was sent."""
+    for kind in kinds:
+        _celery_send(report, n, runs, kind)
+
+
+def _celery_send(report: Report, n: int, runs: int, kind: str) -> None:
+    cpu: dict[str, list[float]] = {}
+
+    def once(variant: str) -> float:
+        rig = Rig(kind, "plain" if variant == "floor" else variant, n, key=None, body=0.0)
+
+        def flush() -> None:
+            if variant == "singleton" and not gatekeeper_for(rig.app).flush_confirms(60):
+                raise RuntimeError("the confirms were not sent within 60 s")
+
+        try:
+            per_second, cpu_per_send = timed_sends(n, rig.task.delay, flush, floor=variant == "floor")
+            cpu.setdefault(variant, []).append(cpu_per_send)
+            return per_second
+        finally:
+            rig.close()
+
+    variants = ["plain", "singleton", "floor", *OTHER_TOOLS]
+    rate = alternate(runs, [(variant, functools.partial(once, variant)) for variant in variants])
+    case = f"13 Celery .delay() ×{n:,}, distinct keys, {BROKERS[kind]} broker"
+    plain = "plain .delay()"
+    names = {
+        "plain": plain,
+        "singleton": "SingletonTask .delay()",
+        "floor": "plain .delay() + 1 bare round trip",
+        **OTHER_TOOLS,
+    }
+    notes = {
+        "singleton": "register on the caller's thread; confirms batched by the confirm thread (timed)",
+        "floor": "a PING to the store's Redis per send: what the registration's round trip costs alone",
+    }
+    for variant, name in names.items():
+        report.add(
+            Row(
+                case,
+                name,
+                "msgs/s",
+                rate[variant],
+                baseline=None if variant == "plain" else plain,
+                key=f"celery.send.{kind}.{variant}",
+                note=notes.get(variant, ""),
+            )
+        )
+    add_cost_rows(
+        report,
+        case,
+        "producer CPU per send",
+        cpu,
+        names,
+        f"celery.send.{kind}.cpu",
+        "this process, all threads",
+    )
+
+    chart_against_floor(
+        report,
+        f"Celery .delay(), {BROKERS[kind]} broker",
+        rate,
+        {
+            "plain": "plain",
+            "floor": "floor: plain + 1 round trip",
+            "singleton": "singleton-tasks",
+            **OTHER_TOOLS,
+        },
+    )
+    ratio, measured = ratio_to_floor(rate, round_trips=1)
+    report.target(
+        "13", floor_goal(f"SingletonTask .delay() on {BROKERS[kind]}"), measured, ratio >= FLOOR_TARGET
     )

@@ -28,6 +28,14 @@ POSTGRES_URL = os.environ.get("BENCH_POSTGRES_URL", "postgresql://127.0.0.1:5432
 
 THREADS = 8  # one worker process × 8 threads (the issue's setting)
 
+#: Each hot path's target: its median at least this share of its floor's, measured in the same run.
+FLOOR_TARGET = 0.90
+#: Same-key bursts: the makespan (first body's start → last body's end) over n × body, at most.
+BURST_TARGET = 1.10
+#: Handoff latency (one body's end → the next same-key body's start), milliseconds, at most.
+HANDOFF_P50_MS = 3.0
+HANDOFF_P99_MS = 10.0
+
 
 @dataclass(frozen=True)
 class Size:
@@ -107,12 +115,41 @@ class BareRoundTrips:
         self._pool.disconnect()
 
 
-def ratio_to_floor(results: dict[str, list[float]]) -> tuple[float, str]:
-    """The subject's median over plain's, and the target's measured text with the floor beside it."""
+def timed_sends(
+    n: int, send: Callable[[int], object], flush: Callable[[], None], *, floor: bool
+) -> tuple[float, float]:
+    """Sends ``0..n-1`` in a loop after one untimed send (connections open, schema checked), then
+    ``flush``: (sends per second, this process's CPU µs per send). ``floor``: a bare ``PING``
+    to the store's Redis before each send (case 13's floor)."""
+    pings = BareRoundTrips() if floor else None
+    try:
+        send(-1)
+        if pings is not None:
+            pings.ping()
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        for i in range(n):
+            if pings is not None:
+                pings.ping()
+            send(i)
+        flush()
+        seconds = time.perf_counter() - t0
+        return n / seconds, (time.process_time() - cpu0) / n * 1e6
+    finally:
+        if pings is not None:
+            pings.close()
+
+
+def ratio_to_floor(results: dict[str, list[float]], round_trips: int = 2) -> tuple[float, str]:
+    """The subject's median over its floor's (what the target is about), and the target's
+    measured text: that ratio, then the subject and the floor each against plain."""
     plain = statistics.median(results["plain"])
-    ratio = statistics.median(results["singleton"]) / plain
-    floor = statistics.median(results["floor"]) / plain
-    return ratio, f"{ratio:.2f}× (2 bare round trips alone: {floor:.2f}×)"
+    subject = statistics.median(results["singleton"])
+    floor = statistics.median(results["floor"])
+    trips = f"{round_trips} bare round trip{'s' if round_trips > 1 else ''}"
+    return subject / floor, (
+        f"{subject / floor:.2f}× the floor ({subject / plain:.2f}× plain; the floor, plain + {trips}: "
+        f"{floor / plain:.2f}× plain)"
+    )
 
 
 def flush_redis(url: str) -> None:
@@ -259,6 +296,33 @@ def percentile(values: Sequence[float], q: float) -> float:
     pos = (len(ordered) - 1) * q / 100
     lo, hi = math.floor(pos), math.ceil(pos)
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def chart_against_floor(
+    report: Report, case: str, results: dict[str, list[float]], names: dict[str, str]
+) -> None:
+    """Keep each variant's median over the floor's for ``--plot`` (floor_ratios.png)."""
+    floor = statistics.median(results["floor"])
+    report.plots[f"floor.{case}"] = {
+        name: statistics.median(results[variant]) / floor
+        for variant, name in names.items()
+        if results[variant]
+    }
+
+
+def floor_goal(what: str) -> str:
+    return f"{what}: ≥ {FLOOR_TARGET:.2f}× the floor (median of alternating rounds)"
+
+
+def handoff_target(report: Report, case: str, what: str, latencies: Sequence[float]) -> None:
+    """The handoff target of ``what``: p50 and p99 of ``latencies`` (ms)."""
+    p50, p99 = percentile(latencies, 50), percentile(latencies, 99)
+    report.target(
+        case,
+        f"handoff {what}: p50 ≤ {HANDOFF_P50_MS:g} ms, p99 ≤ {HANDOFF_P99_MS:g} ms",
+        f"p50 {p50:.2f} ms, p99 {p99:.2f} ms",
+        p50 <= HANDOFF_P50_MS and p99 <= HANDOFF_P99_MS,
+    )
 
 
 def fmt(value: float) -> str:

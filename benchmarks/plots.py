@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .common import Report, percentile
+from .common import FLOOR_TARGET, HANDOFF_P50_MS, HANDOFF_P99_MS, Report, percentile
 
 
 def write_plots(report: Report, directory: Path) -> list[Path]:
@@ -54,13 +54,15 @@ def write_plots(report: Report, directory: Path) -> list[Path]:
                 where="post",
                 label=f"{label} (p50 {percentile(values, 50):.1f}, p99 {percentile(values, 99):.1f} ms)",
             )
-        ax.axvline(3, color="grey", linestyle=":", linewidth=1)
-        ax.axvline(30, color="grey", linestyle="--", linewidth=1)
+        ax.axvline(HANDOFF_P50_MS, color="grey", linestyle=":", linewidth=1)
+        ax.axvline(HANDOFF_P99_MS, color="grey", linestyle="--", linewidth=1)
         ax.set_xscale("log")
         ax.set_xlabel("handoff latency, body end → next body start (ms, log)")
         ax.set_ylabel("fraction of handoffs")
         ax.set_title(
-            "Handoff latency distribution (targets: p50 ≤ 3 ms dotted, p99 ≤ 30 ms dashed)", fontsize=10
+            f"Handoff latency distribution (targets: p50 ≤ {HANDOFF_P50_MS:g} ms dotted, "
+            f"p99 ≤ {HANDOFF_P99_MS:g} ms dashed)",
+            fontsize=10,
         )
         ax.legend(fontsize=8)
         fig.tight_layout()
@@ -68,7 +70,38 @@ def write_plots(report: Report, directory: Path) -> list[Path]:
         fig.savefig(path, dpi=120)
         plt.close(fig)
         written.append(path)
+
+    floors = [k for k in report.plots if k.startswith("floor.")]
+    if floors:
+        path = directory / "floor_ratios.png"
+        _floor_chart(floors, report, path, plt)
+        written.append(path)
     return written
+
+
+def _floor_chart(names: list[str], report: Report, path: Path, plt: Any) -> None:
+    """One group of bars per case: each variant's throughput over the floor's, the target marked."""
+    fig, axes = plt.subplots(
+        len(names), 1, figsize=(9, 1.1 + 0.42 * sum(len(report.plots[n]) for n in names))
+    )
+    axes = axes if len(names) > 1 else [axes]
+    for ax, name in zip(axes, names, strict=True):
+        ratios: dict[str, float] = report.plots[name]
+        labels = list(ratios)
+        colours = ["tab:green" if label == "singleton-tasks" else "tab:grey" for label in labels]
+        ax.barh(labels, [ratios[label] for label in labels], color=colours)
+        for y, label in enumerate(labels):
+            ax.text(ratios[label], y, f" {ratios[label]:.2f}×", va="center", fontsize=7)
+        ax.axvline(1.0, color="black", linewidth=0.8)
+        ax.axvline(FLOOR_TARGET, color="tab:red", linestyle="--", linewidth=1)
+        ax.invert_yaxis()
+        ax.tick_params(labelsize=7)
+        ax.set_title(name.removeprefix("floor."), fontsize=9, loc="left")
+        ax.set_xlim(0, max(1.2, max(ratios.values()) * 1.15))
+    axes[-1].set_xlabel(f"throughput over the floor's, medians (dashed: the target, {FLOOR_TARGET:.2f}×)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def _gantt(ax: Any, t0: float, spans: list[Any], plt: Any) -> None:
