@@ -80,45 +80,53 @@ def backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-#: The library's background threads; none may outlive the test that started it.
-BACKGROUND_THREADS = ("singleton-heartbeat", "singleton-confirm")
+class OpenGatekeepers:
+    """The gatekeepers a test made, and the background threads of those it closed."""
+
+    def __init__(self) -> None:
+        self.made: list[Gatekeeper] = []
+        self.threads: list[threading.Thread] = []
+
+    def close(self) -> None:
+        while self.made:
+            gatekeeper = self.made.pop()
+            for worker in (gatekeeper._heartbeater, gatekeeper._confirmer):
+                thread = getattr(worker, "_thread", None)
+                if thread is not None:
+                    self.threads.append(thread)
+            gatekeeper.close()
 
 
 @pytest.fixture(autouse=True)
-def gatekeepers(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Gatekeeper]]:
-    """Every :class:`Gatekeeper` a test makes (a Celery app's, a middleware's), closed after it.
+def gatekeepers(monkeypatch: pytest.MonkeyPatch) -> Iterator[OpenGatekeepers]:
+    """Every :class:`Gatekeeper` a test makes (a Celery app's, a middleware's), closed after it;
+    the test fails if one's heartbeat or confirm thread is still running then.
 
     A gatekeeper left open keeps its heartbeat ticking against a store the test closed, logging a
     traceback every interval for the rest of the session. Python 3.11 parses source with ``ast``
     to format each traceback, and ``ast`` is not thread-safe there (CPython gh-106905): the model
     test's Hypothesis failed with "AST constructor recursion depth mismatch" beside such a thread.
+    (A gatekeeper made by a module- or session-wide fixture is that fixture's to close.)
     """
-    before = set(threading.enumerate())
-    made: list[Gatekeeper] = []
+    opened = OpenGatekeepers()
     init = Gatekeeper.__init__
 
     def tracked_init(self: Gatekeeper, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
-        made.append(self)
+        opened.made.append(self)
 
     monkeypatch.setattr(Gatekeeper, "__init__", tracked_init)
-    yield made
-    close_gatekeepers(made)
-    for thread in set(threading.enumerate()) - before:
-        if thread.name in BACKGROUND_THREADS:
-            thread.join(timeout=5.0)
-            if thread.is_alive():
-                pytest.fail(f"the test left {thread.name} running", pytrace=False)
-
-
-def close_gatekeepers(made: list[Gatekeeper]) -> None:
-    while made:
-        made.pop().close()
+    yield opened
+    opened.close()
+    for thread in opened.threads:
+        thread.join(timeout=5.0)
+        if thread.is_alive():
+            pytest.fail(f"the test left {thread.name} running", pytrace=False)
 
 
 @pytest.fixture
 def store_factory(
-    backend: str, tmp_path: Path, request: pytest.FixtureRequest, gatekeepers: list[Gatekeeper]
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest, gatekeepers: OpenGatekeepers
 ) -> Iterator[StoreFactory]:
     """Make stores on one server; each test gets its own namespace unless it names one."""
     url = backend_url(backend, tmp_path, request)
@@ -132,7 +140,7 @@ def store_factory(
         return store
 
     yield make
-    close_gatekeepers(gatekeepers)  # no heartbeat or confirm thread may use a store being closed
+    gatekeepers.close()  # no heartbeat or confirm thread may use a store being closed
     flush_all_confirms()
     for store in made:
         store.close()
