@@ -64,11 +64,6 @@ def build(config: QuickstartConfig) -> tuple[dramatiq.Broker, dramatiq.Actor[Any
         broker = RabbitmqBroker(url=config.broker_url)
     if config.store:
         broker.add_middleware(SingletonMiddleware(store=config.store, namespace=config.namespace))
-    if config.wake_fetch == "off":
-        import singleton_tasks.dramatiq
-
-        # The benchmark's baseline only: a release publishes its wakes and fetches nothing.
-        singleton_tasks.dramatiq.fetch_for_this_worker = lambda queue: 0  # type: ignore[attr-defined]
 
     def body(index: int, seconds: float, hold: bool = False) -> None:
         start = time.perf_counter()
@@ -86,6 +81,17 @@ def build(config: QuickstartConfig) -> tuple[dramatiq.Broker, dramatiq.Actor[Any
     return broker, actor
 
 
+def without_wake_fetch() -> None:
+    """The benchmark's baseline only, in the worker process only (the producer that builds the
+    same app must keep its own): a release publishes its wakes and fetches nothing."""
+    import singleton_tasks.dramatiq
+
+    singleton_tasks.dramatiq.fetch_for_this_worker = lambda queue: 0  # type: ignore[attr-defined]
+
+
 if os.environ.get("BENCH_QS_BROKER"):  # imported by the dramatiq command
-    broker, actor = build(QuickstartConfig.from_env())
+    _config = QuickstartConfig.from_env()
+    broker, actor = build(_config)
     dramatiq.set_broker(broker)
+    if _config.wake_fetch == "off":
+        without_wake_fetch()
