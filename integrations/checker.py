@@ -41,7 +41,7 @@ from rich.table import Table
 from singleton_tasks import store_from_url
 from singleton_tasks.outcomes import KeySnapshot
 
-from .runlog import Body, RunData, RunLog
+from .runlog import Body, Delivery, RunData, RunLog
 from .settings import LOG_URL, PLAIN_TASK, SINGLETON_TASKS
 
 #: limit > 1: how long after its admission a holder's body may log its start (a fresh worker process
@@ -359,11 +359,26 @@ def in_transit_since(data: RunData, run_id: str) -> float | None:
     if not left:
         return None
     since = max(left)
-    receipts = [d.start for d in deliveries if d.kind == "received"]
-    got = receipts or [d.start for d in deliveries]
+    receipts = [d for d in deliveries if d.kind == "received"]
+    if receipts:  # a receipt followed by a stale drop on its worker was an older copy given back
+        got = [r.start for r in receipts if not _received_a_stale_copy(r, deliveries)]
+    else:
+        got = [d.start for d in deliveries]
     if any(at > since for at in got) or any(b.start > since for b in bodies):
         return None
     return since
+
+
+def _received_a_stale_copy(receipt: Delivery, deliveries: list[Delivery]) -> bool:
+    """The next delivery on ``receipt``'s worker dropped the copy as stale: an older copy (one kombu
+    gave back after its first worker died), not a holder's retry, which is never stale to its run."""
+    later = [
+        d
+        for d in deliveries
+        if d.kind == "delivery" and d.worker == receipt.worker and d.start >= receipt.start
+    ]
+    following = min(later, key=lambda d: d.start, default=None)
+    return following is not None and following.detail.startswith("IGNORED: stale")
 
 
 def lost_to_broker(
