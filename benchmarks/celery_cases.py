@@ -15,7 +15,6 @@ from singleton_tasks.celery import SingletonTask, gatekeeper_for, install
 
 from .common import (
     BROKER_REDIS_URL,
-    FLOOR_TARGET,
     RABBITMQ_URL,
     STORE_REDIS_URL,
     THREADS,
@@ -24,10 +23,8 @@ from .common import (
     Row,
     Size,
     alternate,
-    chart_against_floor,
-    floor_goal,
+    floor_target,
     flush_redis,
-    ratio_to_floor,
     timed_sends,
     unique,
 )
@@ -251,19 +248,15 @@ def _celery(report: Report, size: Size, runs: int, kind: str) -> None:
                 note="locks at .delay(), unlocks when the run ends; a duplicate is refused, never queued",
             )
         )
-    chart_against_floor(
+    floor_target(
         report,
+        "8",
         f"Celery no-op, {BROKERS[kind]} broker",
         results,
-        {
-            "plain": "plain",
-            "floor": "floor: plain, acks_late + 2 round trips",
-            "singleton": "singleton-tasks",
-            **OTHER_TOOLS,
-        },
+        round_trips=2,
+        floor_name="floor: plain, acks_late + 2 round trips",
+        others=OTHER_TOOLS,
     )
-    ratio, measured = ratio_to_floor(results)
-    report.target("8", floor_goal(f"Celery no-op on {BROKERS[kind]}"), measured, ratio >= FLOOR_TARGET)
 
     b, body = size.celery_burst, size.burst_body
     ideal = b * body
@@ -359,18 +352,6 @@ def _celery_send(report: Report, n: int, runs: int, kind: str) -> None:
         "this process, all threads",
     )
 
-    chart_against_floor(
-        report,
-        f"Celery .delay(), {BROKERS[kind]} broker",
-        rate,
-        {
-            "plain": "plain",
-            "floor": "floor: plain + 1 round trip",
-            "singleton": "singleton-tasks",
-            **OTHER_TOOLS,
-        },
-    )
-    ratio, measured = ratio_to_floor(rate, round_trips=1)
-    report.target(
-        "13", floor_goal(f"SingletonTask .delay() on {BROKERS[kind]}"), measured, ratio >= FLOOR_TARGET
+    floor_target(
+        report, "13", f"Celery .delay(), {BROKERS[kind]} broker", rate, round_trips=1, others=OTHER_TOOLS
     )

@@ -139,19 +139,6 @@ def timed_sends(
             pings.close()
 
 
-def ratio_to_floor(results: dict[str, list[float]], round_trips: int = 2) -> tuple[float, str]:
-    """The subject's median over its floor's (what the target is about), and the target's
-    measured text: that ratio, then the subject and the floor each against plain."""
-    plain = statistics.median(results["plain"])
-    subject = statistics.median(results["singleton"])
-    floor = statistics.median(results["floor"])
-    trips = f"{round_trips} bare round trip{'s' if round_trips > 1 else ''}"
-    return subject / floor, (
-        f"{subject / floor:.2f}× the floor ({subject / plain:.2f}× plain; the floor, plain + {trips}: "
-        f"{floor / plain:.2f}× plain)"
-    )
-
-
 def flush_redis(url: str) -> None:
     client = redis.Redis.from_url(url)
     try:
@@ -298,20 +285,41 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
-def chart_against_floor(
-    report: Report, case: str, results: dict[str, list[float]], names: dict[str, str]
+def floor_target(
+    report: Report,
+    case: str,
+    what: str,
+    results: dict[str, list[float]],
+    *,
+    round_trips: int,
+    floor_name: str | None = None,
+    others: dict[str, str] | None = None,
 ) -> None:
-    """Keep each variant's median over the floor's for ``--plot`` (floor_ratios.png)."""
+    """Case ``case``'s target for ``what``: the ``singleton`` median over the ``floor`` one (plain
+    plus ``round_trips`` bare round trips), measured in the same rounds; the chart's bars for
+    ``--plot`` (floor_ratios.png): plain, the floor, the subject and ``others`` (variant → name)."""
+    plain = statistics.median(results["plain"])
+    subject = statistics.median(results["singleton"])
     floor = statistics.median(results["floor"])
-    report.plots[f"floor.{case}"] = {
+    trips = f"{round_trips} bare round trip{'s' if round_trips > 1 else ''}"
+    names = {
+        "plain": "plain",
+        "floor": floor_name or f"floor: plain + {round_trips} round trip{'s' if round_trips > 1 else ''}",
+        "singleton": "singleton-tasks",
+        **(others or {}),
+    }
+    report.plots[f"floor.{what}"] = {
         name: statistics.median(results[variant]) / floor
         for variant, name in names.items()
         if results[variant]
     }
-
-
-def floor_goal(what: str) -> str:
-    return f"{what}: ≥ {FLOOR_TARGET:.2f}× the floor (median of alternating rounds)"
+    report.target(
+        case,
+        f"{what}: ≥ {FLOOR_TARGET:.2f}× the floor (median of alternating rounds)",
+        f"{subject / floor:.2f}× the floor ({subject / plain:.2f}× plain; the floor, plain + {trips}: "
+        f"{floor / plain:.2f}× plain)",
+        subject / floor >= FLOOR_TARGET,
+    )
 
 
 def handoff_target(report: Report, case: str, what: str, latencies: Sequence[float]) -> None:

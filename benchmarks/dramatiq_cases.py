@@ -32,7 +32,6 @@ from singleton_tasks.outcomes import RunState
 from .common import (
     BROKER_REDIS_URL,
     BURST_TARGET,
-    FLOOR_TARGET,
     RABBITMQ_URL,
     STORE_REDIS_URL,
     THREADS,
@@ -40,14 +39,12 @@ from .common import (
     Report,
     Row,
     Size,
-    chart_against_floor,
-    floor_goal,
+    floor_target,
     flush_redis,
     handoff_target,
     percentile,
     private_redis,
     private_redis_with_replica,
-    ratio_to_floor,
     timed_sends,
     unique,
     wait_until,
@@ -410,19 +407,14 @@ def _noop(report: Report, n: int, runs: int, kind: str) -> None:
     for what, values, note in measures:
         add_cost_rows(report, case, what, values, names, f"{key}.{what.split()[0].lower()}_cpu", note)
     server.close()
-    chart_against_floor(
+    floor_target(
         report,
+        "1",
         f"Dramatiq no-op, {BROKERS[kind]}",
         results,
-        {
-            "plain": "plain",
-            "floor": "floor: plain + 2 round trips",
-            "singleton": "singleton-tasks",
-            "crl": "ConcurrentRateLimiter",
-        },
+        round_trips=2,
+        others={"crl": "ConcurrentRateLimiter"},
     )
-    ratio, measured = ratio_to_floor(results)
-    report.target("1", floor_goal(f"no-op on {BROKERS[kind]}"), measured, ratio >= FLOOR_TARGET)
 
 
 def add_cost_rows(
@@ -510,14 +502,7 @@ def _send(report: Report, n: int, runs: int, kind: str) -> None:
     add_cost_rows(
         report, case, "producer CPU per send", cpu, names, f"send.{kind}.cpu", "this process, all threads"
     )
-    chart_against_floor(
-        report,
-        f"Dramatiq .send(), {BROKERS[kind]}",
-        rate,
-        {"plain": "plain", "floor": "floor: plain + 1 round trip", "singleton": "singleton-tasks"},
-    )
-    ratio, measured = ratio_to_floor(rate, round_trips=1)
-    report.target("13", floor_goal(f"singleton .send() on {BROKERS[kind]}"), measured, ratio >= FLOOR_TARGET)
+    floor_target(report, "13", f"Dramatiq .send(), {BROKERS[kind]}", rate, round_trips=1)
 
 
 # -- case 9: wait_replicas ------------------------------------------------------------------
