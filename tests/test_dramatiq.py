@@ -551,14 +551,18 @@ def test_pipelines_and_groups_of_singletons_complete(make_env: Callable[..., Env
 @pytest.mark.parametrize("position", POSITIONS)
 def test_age_limit_expiry_releases(make_env: Callable[..., Env], position: str) -> None:
     env = make_env(position=position)
-    job = env.job(max_age=400)
+    # max_age leaves the first delivery time to reach the gate under load: a copy older than it
+    # is failed by AgeLimit before the gate sees it, and the waiter is never gated.
+    max_age = 1500
+    job = env.job(max_age=max_age)
     env.start()
     env.hold("long")
     job.send("K", "long")
     env.journal.wait(lambda: env.journal.started() == ["long"])
     expired = job.send("K", "expired")
     env.journal.wait(lambda: env.gated(expired.message_id))
-    time.sleep(0.45)  # let the waiter's age pass max_age while it is gated
+    # Let the gated waiter's age, counted from its message's timestamp, pass max_age.
+    time.sleep(max(0.0, (expired.message_timestamp + max_age + 50) / 1000 - time.time()))
     env.let_go("long")
     env.join(fail_fast=False)
     job.send("K", "after")
