@@ -30,6 +30,7 @@ from .outcomes import (
     ClaimOutcome,
     Decision,
     DueOutcome,
+    PayloadRequest,
     Registered,
     RegisterOutcome,
     ReleaseOutcome,
@@ -373,7 +374,7 @@ def claim(
     tx: KeyTransaction,
     spec: RunSpec,
     generation: int,
-    payload: bytes | None,
+    payload: bytes | PayloadRequest | None,
     *,
     timings: Timings,
 ) -> ClaimOutcome:
@@ -382,7 +383,17 @@ def claim(
     Every answer also names the waiters the store issues now (``wakes``): a slot may have freed
     since the last call (an eviction), or an owner's copies may be lost, and whoever touches the
     key next hands it on.
+
+    ``PAYLOAD_ON_REQUEST`` (a first delivery of the message its registration stored): the stored
+    payload stays; a run with none that could wait in line (not registered, or registered
+    without one, and not holding a slot) is answered ``PAYLOAD_NEEDED`` before anything is
+    written, so that no waiter is ever left without a message to be issued from.
     """
+    run = tx.get_run(spec.run_id)  # housekeeping keeps the caller's run: read once, here
+    if payload is PayloadRequest.ON_REQUEST:
+        if run is None or (run.state is not RunState.HOLDING and run.payload is None):
+            return ClaimOutcome(Decision.PAYLOAD_NEEDED)
+        payload = None
     now = tx.now()
     meta = _meta(tx, now)
     meta.limit = spec.limit
@@ -397,7 +408,6 @@ def claim(
     def stale() -> ClaimOutcome:
         return outcome(Decision.STALE, _hand_on(tx, meta, spec.scope, spec.key, now, timings, done, None))
 
-    run = tx.get_run(spec.run_id)
     if run is None:
         settled = tx.settled_generation(spec.run_id, now)
         if settled is not None and settled != generation:

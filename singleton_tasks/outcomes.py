@@ -51,6 +51,20 @@ class Decision(enum.Enum):
     GATED = "gated"  # defer the message with ``generation``; acked, not run
     BUSY = "busy"  # the run executes elsewhere under a live lease: defer, never run twice
     STALE = "stale"  # a dead copy: ack and drop, never run
+    #: Claimed with ``PAYLOAD_ON_REQUEST`` and the store holds no message to issue the run from:
+    #: claim again with the payload. Nothing was written.
+    PAYLOAD_NEEDED = "payload_needed"
+
+
+class PayloadRequest(enum.Enum):
+    """``PAYLOAD_ON_REQUEST``: the type of the one value."""
+
+    ON_REQUEST = "on_request"
+
+
+#: ``claim``'s payload for a delivery of the very message its registration stored: the store
+#: keeps that one, and answers ``PAYLOAD_NEEDED`` when it has none to issue a waiter from.
+PAYLOAD_ON_REQUEST = PayloadRequest.ON_REQUEST
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ from .errors import SingletonConfigError, SingletonQueueFullError, StoreUnavaila
 from .generations import issued_before
 from .heartbeat import Heartbeater, compare_clocks, log_lost_slot
 from .outcomes import (
+    PAYLOAD_ON_REQUEST,
     ClaimOutcome,
     Decision,
     HolderRef,
@@ -344,13 +345,23 @@ class Gatekeeper:
         task_name: str,
         spec: RunSpec,
         generation: int,
-        payload: bytes | None,
+        payload: bytes | Callable[[], bytes | None] | None,
         *,
         registered_at: float | None = None,
         woken_at: float | None = None,
     ) -> ClaimOutcome:
-        """Gate: decide one delivery; the caller runs, defers or drops accordingly."""
-        outcome = self.store.claim(spec, generation, payload)
+        """Gate: decide one delivery; the caller runs, defers or drops accordingly.
+
+        ``payload``, the delivered message, is kept to issue the run from should it wait. Given as
+        a function (a first delivery of the message its registration stored), it is encoded
+        only if the store has no message of the run: most deliveries send none.
+        """
+        if callable(payload):
+            outcome = self.store.claim(spec, generation, PAYLOAD_ON_REQUEST)
+            if outcome.decision is Decision.PAYLOAD_NEEDED:
+                outcome = self.store.claim(spec, generation, payload())
+        else:
+            outcome = self.store.claim(spec, generation, payload)
         self.log_housekeeping(task_name, spec.scope, spec.key, outcome.evicted, outcome.removed)
         metrics.observe_claim(
             task_name, outcome, now=clock.now(), registered_at=registered_at, woken_at=woken_at

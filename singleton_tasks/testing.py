@@ -57,10 +57,12 @@ from .config import Timings
 from .errors import SchemaVersionError
 from .generations import micros
 from .outcomes import (
+    PAYLOAD_ON_REQUEST,
     ClaimOutcome,
     Decision,
     HolderRef,
     KeySnapshot,
+    PayloadRequest,
     Registered,
     ReleaseOutcome,
     RunSpec,
@@ -170,7 +172,9 @@ def registered(
     assert outcome.status is Registered.REGISTERED, (run.run_id, outcome)
 
 
-def admitted(store: Store, run: RunSpec, generation: int, now: float, payload: bytes | None = None) -> int:
+def admitted(
+    store: Store, run: RunSpec, generation: int, now: float, payload: bytes | PayloadRequest | None = None
+) -> int:
     """Claim and require admission; returns the fencing token."""
     outcome = at(store, now).claim(run, generation, payload)
     assert outcome.decision is Decision.ADMITTED, (run.run_id, outcome)
@@ -859,6 +863,48 @@ class _DeliveryRules(_Contract):
         admitted(store, w, 0, T0 + 3)
         for generation in (deferred, wake.generation):
             stale(store, w, generation, T0 + 4)
+
+    # -- a first delivery's payload on request (gate.claim's PAYLOAD_ON_REQUEST) -------------
+
+    def test_a_first_delivery_waits_on_the_payload_its_registration_stored(
+        self, make_store: StoreFactory
+    ) -> None:
+        store = make_store()
+        h, w = spec("h"), spec("w")
+        registered(store, h, T0, payload=b"h")
+        registered(store, w, T0 + 1, payload=b"w as sent")
+        token = admitted(store, h, 0, T0 + 2, PAYLOAD_ON_REQUEST)
+        outcome = at(store, T0 + 3).claim(w, 0, PAYLOAD_ON_REQUEST)
+        assert outcome.decision is Decision.GATED and outcome.position == 1, outcome
+        wake = the_wake(at(store, T0 + 4).release(SCOPE, KEY, "h", token=token).wakes, "w")
+        assert wake.payload == b"w as sent"
+
+    def test_a_payload_on_request_is_asked_for_before_anything_is_written(
+        self, make_store: StoreFactory
+    ) -> None:
+        # Never registered (first sight), or registered without a payload: a waiter would have no
+        # message to be issued from, so the store asks for it and writes nothing meanwhile.
+        store = make_store()
+        h, w, bare = spec("h"), spec("w"), spec("bare")
+        token = admitted(store, h, 0, T0)
+        registered(store, bare, T0 + 1)
+        before = one_key(store, T0 + 2)
+        for run in (w, bare):
+            asked = at(store, T0 + 2).claim(run, 0, PAYLOAD_ON_REQUEST)
+            assert asked == ClaimOutcome(Decision.PAYLOAD_NEEDED), asked
+        assert one_key(store, T0 + 2) == before
+        gated(store, w, 0, T0 + 3, b"w delivered", position=2)
+        gated(store, bare, 0, T0 + 3, b"bare delivered", position=1)
+        wake = the_wake(at(store, T0 + 4).release(SCOPE, KEY, "h", token=token).wakes, "bare")
+        assert wake.payload == b"bare delivered"
+
+    def test_a_holder_needs_no_payload_on_request(self, make_store: StoreFactory) -> None:
+        store = make_store()
+        h = spec("h", lease=60.0)
+        token = admitted(store, h, 0, T0)  # an admitted run keeps no payload
+        busy = at(store, T0 + 1).claim(h, 0, PAYLOAD_ON_REQUEST)  # a redelivered first copy
+        assert busy.decision is Decision.BUSY, busy
+        assert at(store, T0 + 2).release(SCOPE, KEY, "h", token=token).released
 
     def test_suspended_holder_is_readmitted_on_its_own_slot(self, make_store: StoreFactory) -> None:
         store = make_store()

@@ -61,10 +61,11 @@ def test_the_run_life_diagram_draws_every_state(state: RunState) -> None:
 
 
 def test_the_run_life_diagram_names_the_claim_decisions_the_store_gives() -> None:
-    # A stale copy's claim moves no run (its delivery is dropped): the prose says so, not an edge.
+    # A stale copy's claim moves no run (its delivery is dropped), nor does a request for the
+    # payload (the claim is made again with it): the prose says so, not an edge.
     labels = " ".join(label for _, _, label in dot_graph(RUN_LIFE)[1])
     drawn = set(re.findall(r"claim → (\w+)", labels))
-    moving = {decision.value for decision in Decision if decision is not Decision.STALE}
+    moving = {d.value for d in Decision if d not in (Decision.STALE, Decision.PAYLOAD_NEEDED)}
     assert drawn == moving
 
 

@@ -18,6 +18,7 @@ from redis_servers import as_written_by_version_3
 from singleton_tasks.config import Timings
 from singleton_tasks.errors import SingletonConfigError, StoreUnavailableError
 from singleton_tasks.outcomes import (
+    PAYLOAD_ON_REQUEST,
     ClaimOutcome,
     Decision,
     DueOutcome,
@@ -224,7 +225,7 @@ class _Differential:
                 results.append(at(store, now).park(*key, run))
             elif op == "claim":
                 generation = rng.choice([*sorted(self.generations[run])[-3:], rng.randrange(0, 12)])
-                payload = rng.choice([None, b"", b"\x00\xff payload " + run.encode()])
+                payload = rng.choice([None, b"", b"\x00\xff payload " + run.encode(), PAYLOAD_ON_REQUEST])
                 results.append(at(store, now).claim(self.spec(key, run), generation, payload))
             elif op == "suspend":
                 token = rng.choice(sorted(self.tokens[run]))

@@ -326,7 +326,9 @@ class SingletonMiddleware(dramatiq.Middleware):
             message.fail()
             raise KeyFailed(str(error)) from error
         delivery.spec = spec
-        payload = message.encode()  # the proxied message as is: copy() would only cost a replace()
+        # The proxied message as is (copy() would only cost a replace()). A first delivery is the
+        # message its registration stored: encoded only if the store has none.
+        payload = message.encode if generation == 0 else message.encode()
         try:
             outcome = self.gatekeeper.claim(
                 bound.task_name,

@@ -22,6 +22,7 @@ from ..outcomes import (
     DueOutcome,
     HolderView,
     KeySnapshot,
+    PayloadRequest,
     Registered,
     ReleaseOutcome,
     RunState,
@@ -132,6 +133,16 @@ def opt_time_arg(value: float | None) -> bytes:
 
 def opt_int_arg(value: int | None) -> bytes:
     return b"" if value is None else int_arg(value)
+
+
+def payload_args(payload: bytes | PayloadRequest | None) -> tuple[bytes, bytes]:
+    """The flag and the bytes of an optional payload (register.lua, claim.lua): '1' given,
+    '0' None, '2' ``PAYLOAD_ON_REQUEST`` (claim only)."""
+    if payload is None:
+        return b"0", b""
+    if payload is PayloadRequest.ON_REQUEST:
+        return b"2", b""
+    return b"1", bytes(payload)
 
 
 # -- replies ------------------------------------------------------------------------------------

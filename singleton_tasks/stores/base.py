@@ -22,6 +22,7 @@ from ..outcomes import (
     HolderRef,
     HolderView,
     KeySnapshot,
+    PayloadRequest,
     RegisterOutcome,
     ReleaseOutcome,
     RunSpec,
@@ -251,8 +252,14 @@ class Store(abc.ABC):
         """A registration published held back waits gated with its payload; returns the wakes."""
 
     @abc.abstractmethod
-    def claim(self, spec: RunSpec, generation: int, payload: bytes | None = None) -> ClaimOutcome:
-        """Decide a delivery of generation ``generation``; ``payload`` is kept to wake it later."""
+    def claim(
+        self, spec: RunSpec, generation: int, payload: bytes | PayloadRequest | None = None
+    ) -> ClaimOutcome:
+        """Decide a delivery of generation ``generation``; ``payload`` is kept to wake it later.
+
+        With ``PAYLOAD_ON_REQUEST`` the stored payload stays, and a run that has none and is not
+        holding a slot gets ``PAYLOAD_NEEDED`` before anything is written.
+        """
 
     @abc.abstractmethod
     def suspend(self, scope: str, key: str, run_id: str, token: int, *, delay: float) -> bool:
@@ -393,7 +400,9 @@ class RuleStore(Store):
                 done.append(outcome)
         return done
 
-    def claim(self, spec: RunSpec, generation: int, payload: bytes | None = None) -> ClaimOutcome:
+    def claim(
+        self, spec: RunSpec, generation: int, payload: bytes | PayloadRequest | None = None
+    ) -> ClaimOutcome:
         with self.transaction(spec.scope, spec.key) as tx:
             return gate.claim(tx, spec, generation, payload, timings=self.timings)
 

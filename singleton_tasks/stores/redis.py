@@ -63,6 +63,7 @@ from ..outcomes import (
     HeartbeatOutcome,
     HolderRef,
     KeySnapshot,
+    PayloadRequest,
     RegisterOutcome,
     ReleaseOutcome,
     RunSpec,
@@ -275,8 +276,7 @@ class RedisStore(RedisPlumbing):
             lease,
             orphan_timeout,
             recheck,
-            b"0" if payload is None else b"1",
-            b"" if payload is None else bytes(payload),
+            *lua.payload_args(payload),
             lua.time_arg(delay),
             b"1" if spec.replace_when_full else b"0",
         )
@@ -325,7 +325,9 @@ class RedisStore(RedisPlumbing):
     def park(self, scope: str, key: str, run_id: str) -> tuple[Wake, ...]:
         return lua.wakes(scope, key, self._key_op("park", scope, key, run_id))
 
-    def claim(self, spec: RunSpec, generation: int, payload: bytes | None = None) -> ClaimOutcome:
+    def claim(
+        self, spec: RunSpec, generation: int, payload: bytes | PayloadRequest | None = None
+    ) -> ClaimOutcome:
         limit, lease, orphan_timeout, recheck = lua.spec_args(
             spec.limit, spec.lease, spec.orphan_timeout, spec.recheck
         )
@@ -339,8 +341,7 @@ class RedisStore(RedisPlumbing):
             lease,
             orphan_timeout,
             recheck,
-            b"0" if payload is None else b"1",
-            b"" if payload is None else bytes(payload),
+            *lua.payload_args(payload),
         )
         return lua.claim_outcome(spec.scope, spec.key, reply)
 

@@ -5,9 +5,11 @@
 -- KEYS, ARGV[1..6]: the per-key layout of lib.lua
 -- ARGV[7] generation of this delivery   ARGV[8] limit   ARGV[9] lease
 -- ARGV[10] orphan_timeout ('' = never)   ARGV[11] recheck
--- ARGV[12] '1' if a payload is given, '0' for None    ARGV[13] payload (bytes)
+-- ARGV[12] '1' if a payload is given, '0' for None, '2' for PAYLOAD_ON_REQUEST
+-- ARGV[13] payload (bytes)
 -- Returns {decision, token, generation, position, takeover, evicted, wakes, removed}:
---   decision 'admitted' | 'gated' | 'busy' | 'stale'; token, generation, position are
+--   decision 'admitted' | 'gated' | 'busy' | 'stale' | 'payload_needed' (only for '2', before
+--   anything is written: the run has no stored payload and holds no slot); token, generation, position are
 --   integers or false (None); takeover 1/0; evicted and removed lists of run ids; wakes a list
 --   of {run_id, generation, payload or false}.
 
@@ -21,6 +23,10 @@ local recheck = tonumber(ARGV[11])
 local payload = false
 if ARGV[12] == '1' then
   payload = ARGV[13]
+elseif ARGV[12] == '2' and redis.call('HEXISTS', KEYS[5], 'payload') == 0
+    and redis.call('HGET', KEYS[5], 'state') ~= 'holding' then
+  -- gate.claim's PAYLOAD_ON_REQUEST: no message to issue this run from, should it wait.
+  return { 'payload_needed', false, false, false, 0, {}, {}, {} }
 end
 
 local meta = load_meta(K.now) or default_meta()
