@@ -130,7 +130,8 @@ def main(
 
     # Small sizes run fewer repeats of the slow cases: CI only needs the table printed.
     slow_runs = runs if size != "small" else min(runs, 3)
-    # The defaults forms start a `dramatiq` worker process per run: one each at the smallest size.
+    # The defaults forms (and Celery's prefork form) start a worker process per run: one each at
+    # the smallest size.
     defaults_runs = runs if size != "small" else 1
     steps: dict[str, Callable[[], None]] = {
         "noop": lambda: dq.case_noop(report, spec, slow_runs, kinds),
@@ -140,7 +141,7 @@ def main(
         "admission": lambda: st.case_admission(report, spec),
         "postgres": lambda: st.case_postgres(report, spec, runs),
         "backline": lambda: dq.case_backline(report, spec, 1 if size != "medium" else min(runs, 3), timeouts),
-        "celery": lambda: _celery(report, spec, slow_runs, kinds),
+        "celery": lambda: _celery(report, spec, slow_runs, defaults_runs, kinds),
         "growth": lambda: _growth(report, spec, growth_stores),
         "cluster": lambda: _cluster(report, spec, slow_runs, cluster_url, timeouts[-1]),
         "replicas": lambda: dq.case_replicas(report, spec, slow_runs),
@@ -186,10 +187,10 @@ def _idle(report: Report, spec: Size, runs: int) -> None:
     defaults_cases.case_idle(report, spec, runs)
 
 
-def _celery(report: Report, spec: object, runs: int, kinds: list[str]) -> None:
+def _celery(report: Report, spec: Size, runs: int, prefork_runs: int, kinds: list[str]) -> None:
     from . import celery_cases
 
-    celery_cases.case_celery(report, spec, runs, kinds)  # type: ignore[arg-type]
+    celery_cases.case_celery(report, spec, runs, kinds, prefork_runs)
 
 
 def _send(report: Report, spec: Size, runs: int, kinds: list[str]) -> None:

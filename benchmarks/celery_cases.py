@@ -1,11 +1,18 @@
-"""Celery cases (8): an embedded threads-pool worker (1 process × 8 threads) on real Redis / RabbitMQ."""
+"""Celery cases (8): an embedded threads-pool worker (1 process × 8 threads) on real Redis / RabbitMQ,
+and the no-op on a ``celery worker --pool prefork`` process at Celery's defaults."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from celery import Celery, signals
@@ -121,14 +128,19 @@ class Rig:
             signals.task_prerun.disconnect(self._ping, sender=self.task)
             signals.task_postrun.disconnect(self._ping, sender=self.task)
             self.round_trips.close()
-        with contextlib.suppress(Exception):
-            with self.app.connection_for_write() as conn:
-                conn.default_channel.queue_purge(self.app.conf.task_default_queue)
-                if self.kind == "rabbitmq":
-                    conn.default_channel.queue_delete(self.app.conf.task_default_queue)
-        if self.kind == "redis":
-            flush_redis(BROKER_REDIS_URL)
-        flush_redis(STORE_REDIS_URL)
+        _cleanup(self.app, self.kind)
+
+
+def _cleanup(app: Celery, kind: str) -> None:
+    """The app's queue purged (deleted on RabbitMQ), the benchmark's databases flushed."""
+    with contextlib.suppress(Exception):
+        with app.connection_for_write() as conn:
+            conn.default_channel.queue_purge(app.conf.task_default_queue)
+            if kind == "rabbitmq":
+                conn.default_channel.queue_delete(app.conf.task_default_queue)
+    if kind == "redis":
+        flush_redis(BROKER_REDIS_URL)
+    flush_redis(STORE_REDIS_URL)
 
 
 @contextlib.contextmanager
@@ -178,12 +190,13 @@ def _measure(
         rig.close()
 
 
-def case_celery(report: Report, size: Size, runs: int, kinds: list[str]) -> None:
+def case_celery(report: Report, size: Size, runs: int, kinds: list[str], prefork_runs: int) -> None:
+    """``prefork_runs``: rounds of the prefork form, which starts a worker process per run."""
     for kind in kinds:
-        _celery(report, size, runs, kind)
+        _celery(report, size, runs, kind, prefork_runs)
 
 
-def _celery(report: Report, size: Size, runs: int, kind: str) -> None:
+def _celery(report: Report, size: Size, runs: int, kind: str, prefork_runs: int) -> None:
     n = size.celery_noop
 
     def noop(variant: str, acks_late: bool = False, floor: bool = False) -> float:
@@ -203,60 +216,9 @@ def _celery(report: Report, size: Size, runs: int, kind: str) -> None:
         + [(tool, functools.partial(noop, tool)) for tool in OTHER_TOOLS],
     )
     case = f"8 Celery no-op ×{n:,}, distinct keys, {BROKERS[kind]} broker"
-    report.add(Row(case, "plain Celery", "runs/s", results["plain"], key=f"celery.{kind}.noop.plain"))
-    report.add(
-        Row(
-            case,
-            "plain Celery, acks_late=True",
-            "runs/s",
-            results["late"],
-            baseline="plain Celery",
-            key=f"celery.{kind}.noop.late",
-            note="the delivery guarantee SingletonTask defaults to",
-        )
-    )
-    report.add(
-        Row(
-            case,
-            "plain Celery, acks_late=True + 2 bare round trips",
-            "runs/s",
-            results["floor"],
-            baseline="plain Celery",
-            key=f"celery.{kind}.noop.floor",
-            note="a PING before and after each body: what the gate's 2 round trips cost",
-        )
-    )
-    report.add(
-        Row(
-            case,
-            "SingletonTask",
-            "runs/s",
-            results["singleton"],
-            baseline="plain Celery",
-            key=f"celery.{kind}.noop.singleton",
-        )
-    )
-    for tool, name in OTHER_TOOLS.items():
-        report.add(
-            Row(
-                case,
-                name,
-                "runs/s",
-                results[tool],
-                baseline="plain Celery",
-                key=f"celery.{kind}.noop.{tool}",
-                note="locks at .delay(), unlocks when the run ends; a duplicate is refused, never queued",
-            )
-        )
-    floor_target(
-        report,
-        "8",
-        f"Celery no-op, {BROKERS[kind]} broker",
-        results,
-        round_trips=2,
-        floor_name="floor: plain, acks_late + 2 round trips",
-        others=OTHER_TOOLS,
-    )
+    _noop_rows(report, case, f"Celery no-op, {BROKERS[kind]} broker", results, f"celery.{kind}.noop")
+
+    _prefork(report, n, prefork_runs, kind)
 
     b, body = size.celery_burst, size.burst_body
     ideal = b * body
@@ -288,6 +250,99 @@ def _celery(report: Report, size: Size, runs: int, kind: str) -> None:
         results=results,
         ideal=ideal,
         orders=orders,
+    )
+
+
+# -- case 8, prefork form: a `celery worker --pool prefork` process ------------------------------
+PREFORK_COMMAND = "celery worker --pool prefork"
+CELERY = str(Path(sys.executable).with_name("celery"))
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _prefork_noop(kind: str, variant: str, n: int) -> float:
+    """Runs/s of ``n`` no-op runs on distinct keys, queued before a prefork worker starts at
+    Celery's defaults (one child per CPU); first body start → last body end."""
+    from .celery_prefork_app import PreforkConfig, build
+    from .defaults_cases import stop_process, wait_spans
+
+    workdir = Path(tempfile.mkdtemp(prefix="bench-prefork-"))
+    config = PreforkConfig(kind, variant, unique("q"), unique("ns"), str(workdir / "spans"))
+    app, task = build(config)
+    try:
+        for i in range(n):
+            task.delay(i)
+        if variant == "singleton" and not gatekeeper_for(app).flush_confirms(60):
+            raise RuntimeError("prefork: the confirms were not sent within 60 s")
+        # Celery's defaults: none of its settings from this environment.
+        env = {k: v for k, v in os.environ.items() if not k.upper().startswith("CELERY_")}
+        command = [CELERY, "--app", "benchmarks.celery_prefork_app", "worker", "--pool", "prefork"]
+        process = subprocess.Popen(
+            [*command, "--loglevel", "WARNING", "--logfile", str(workdir / "worker.log")],
+            env={**env, **config.env()},
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            spans = wait_spans(config.spans, n, 300, PREFORK_COMMAND)
+        finally:
+            stop_process(process)
+        return (n - 1) / (spans[-1].end - spans[0].start)
+    finally:
+        _cleanup(app, kind)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _prefork(report: Report, n: int, runs: int, kind: str) -> None:
+    """Case 8's no-op on the prefork pool: plain, the floor and SingletonTask, alternating."""
+    from .celery_prefork_app import VARIANTS
+
+    results = alternate(
+        runs, [(variant, functools.partial(_prefork_noop, kind, variant, n)) for variant in VARIANTS]
+    )
+    pool = f"`{PREFORK_COMMAND}` ({os.cpu_count()} children)"
+    case = f"8 Celery no-op ×{n:,}, distinct keys, {BROKERS[kind]} broker, {pool}"
+    _noop_rows(
+        report, case, f"Celery no-op, prefork, {BROKERS[kind]} broker", results, f"celery.{kind}.prefork"
+    )
+
+
+def _noop_rows(report: Report, case: str, what: str, results: dict[str, list[float]], key: str) -> None:
+    """Case 8's no-op rows of whichever variants ran (``results``), and its target."""
+    notes = {
+        "late": ("plain Celery, acks_late=True", "the delivery guarantee SingletonTask defaults to"),
+        "floor": (
+            "plain Celery, acks_late=True + 2 bare round trips",
+            "a PING before and after each body: what the gate's 2 round trips cost",
+        ),
+        "singleton": ("SingletonTask", ""),
+        **{
+            tool: (name, "locks at .delay(), unlocks when the run ends; a duplicate is refused, never queued")
+            for tool, name in OTHER_TOOLS.items()
+        },
+    }
+    report.add(Row(case, "plain Celery", "runs/s", results["plain"], key=f"{key}.plain"))
+    for variant, (name, note) in notes.items():
+        if variant in results:
+            report.add(
+                Row(
+                    case,
+                    name,
+                    "runs/s",
+                    results[variant],
+                    baseline="plain Celery",
+                    key=f"{key}.{variant}",
+                    note=note,
+                )
+            )
+    floor_target(
+        report,
+        "8",
+        what,
+        results,
+        round_trips=2,
+        floor_name="floor: plain, acks_late + 2 round trips",
+        others={tool: name for tool, name in OTHER_TOOLS.items() if tool in results},
     )
 
 

@@ -57,6 +57,39 @@ COMMAND = "dramatiq app --processes 1 --threads 8"
 BROKER_URLS = {"redis": BROKER_REDIS_URL, "rabbitmq": RABBITMQ_URL}
 
 
+def read_spans(path: str) -> list[Span]:
+    """The spans a worker process's bodies appended to ``path`` ("index start end" lines; the
+    warm-up's index -1 left out), by start."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return []
+    spans = []
+    for line in text.splitlines():
+        index, start, end = line.split()
+        if int(index) >= 0:
+            spans.append(Span(int(index), float(start), float(end), "worker"))
+    return sorted(spans, key=lambda s: s.start)
+
+
+def wait_spans(path: str, n: int, timeout: float, command: str) -> list[Span]:
+    """The spans of ``path`` once ``n`` bodies of ``command``'s worker have ended."""
+    if not wait_until(lambda: len(read_spans(path)) >= n, timeout, 0.02):
+        raise RuntimeError(f"{command}: only {len(read_spans(path))}/{n} bodies ran in {timeout:.0f} s")
+    return read_spans(path)
+
+
+def stop_process(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM (the framework's warm shutdown), then SIGKILL if it is not gone in 30 s."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(10)
+
+
 @dataclass
 class Quickstart:
     """One quickstart worker process and a producer of the same app in this process."""
@@ -67,21 +100,10 @@ class Quickstart:
     process: subprocess.Popen[bytes]
 
     def spans(self) -> list[Span]:
-        try:
-            text = Path(self.config.spans).read_text(encoding="utf-8")
-        except FileNotFoundError:
-            return []
-        spans = []
-        for line in text.splitlines():
-            index, start, end = line.split()
-            if int(index) >= 0:
-                spans.append(Span(int(index), float(start), float(end), "worker"))
-        return sorted(spans, key=lambda s: s.start)
+        return read_spans(self.config.spans)
 
     def wait_spans(self, n: int, timeout: float) -> list[Span]:
-        if not wait_until(lambda: len(self.spans()) >= n, timeout, 0.02):
-            raise RuntimeError(f"{COMMAND}: only {len(self.spans())}/{n} bodies ran in {timeout:.0f} s")
-        return self.spans()
+        return wait_spans(self.config.spans, n, timeout, COMMAND)
 
     def warm_up(self) -> None:
         """One run (index -1) through the started worker: the burst then meets a running worker."""
@@ -141,13 +163,7 @@ def quickstart(
             )
         yield run
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
+        stop_process(process)
         _cleanup(run)
         for path in workdir.iterdir():
             path.unlink()

@@ -127,7 +127,9 @@ def _copy_sql(table: str, columns: list[str], *, postgres: bool) -> str:
     return f"WITH RECURSIVE series(n) AS (SELECT ? UNION ALL SELECT n + 1 FROM series WHERE n < ?) {body}"
 
 
-def _rows_of(db: Any, table: str, columns: list[str], namespace: str, key: str, param: str) -> list[tuple]:
+def _rows_of(
+    db: Any, table: str, columns: list[str], namespace: str, key: str, param: str
+) -> list[tuple[Any, ...]]:
     return [
         tuple(row)
         for row in db.execute(

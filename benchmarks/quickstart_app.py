@@ -77,7 +77,7 @@ def build(config: QuickstartConfig) -> tuple[dramatiq.Broker, dramatiq.Actor[Any
             spans.write(f"{index} {start!r} {end!r}\n")
 
     options: dict[str, Any] = {"singleton": {"key": KEY}} if config.store else {}
-    actor = dramatiq.actor(body, actor_name=ACTOR, broker=broker, queue_name=config.queue, **options)
+    actor = dramatiq.actor(actor_name=ACTOR, broker=broker, queue_name=config.queue, **options)(body)
     return broker, actor
 
 
@@ -86,7 +86,7 @@ def without_wake_fetch() -> None:
     same app must keep its own): a release publishes its wakes and fetches nothing."""
     import singleton_tasks.dramatiq
 
-    singleton_tasks.dramatiq.fetch_for_this_worker = lambda queue: 0  # type: ignore[attr-defined]
+    singleton_tasks.dramatiq.fetch_for_this_worker = lambda queue_name: 0  # type: ignore[attr-defined]
 
 
 if os.environ.get("BENCH_QS_BROKER"):  # imported by the dramatiq command
