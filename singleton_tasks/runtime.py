@@ -52,6 +52,9 @@ from .stores.choice import check_store_argument, ensure_schema, resolve_store_ur
 
 logger = logging.getLogger("singleton_tasks")
 
+#: Bound configs whose run options a Gatekeeper keeps (one per task in practice).
+_SPEC_CACHE_SIZE = 1024
+
 #: The message option (Dramatiq) or header (Celery) in which a copy the library published
 #: carries its generation; a copy without it is a new delivery of its run.
 GENERATION_FIELD = "singleton_gen"
@@ -107,7 +110,10 @@ class Gatekeeper:
         self._lock = threading.Lock()
         self._heartbeater: Heartbeater | None = None
         self._confirmer: Confirmer | None = None
-        self._spec_cache: dict[BoundSingleton, RunSpec] = {}
+        # By identity (each task's bound config is made once): hashing a BoundSingleton hashes
+        # its inspect.Signature, ten times the cost of the lookup. The bound is kept in the
+        # value, so that its id is never reused by another.
+        self._spec_cache: dict[int, tuple[BoundSingleton, RunSpec]] = {}
         #: Publishes the wakes of a key's own due work (the heartbeat thread's
         #: :meth:`Store.tick_due`): set by the adapter of a worker process. Without it this
         #: process's heartbeat thread leaves the due work to the workers.
@@ -203,10 +209,12 @@ class Gatekeeper:
         self, bound: BoundSingleton, run_id: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]
     ) -> RunSpec:
         """Derive the run's key (SingletonKeyError) and resolve its timings: config → adapter option."""
-        options = self._spec_cache.get(bound)
-        if options is None:
-            options = self._spec_cache[bound] = self.spec_options(bound)
-        return dataclasses.replace(options, key=bound.derive_key(args, kwargs), run_id=run_id)
+        cached = self._spec_cache.get(id(bound))
+        if cached is None or cached[0] is not bound:
+            if len(self._spec_cache) >= _SPEC_CACHE_SIZE:
+                self._spec_cache.clear()  # bounds made again and again (not by the adapters): no leak
+            cached = self._spec_cache[id(bound)] = (bound, self.spec_options(bound))
+        return dataclasses.replace(cached[1], key=bound.derive_key(args, kwargs), run_id=run_id)
 
     def deferral_delay(self, position: int | None, limit: int = 1) -> float:
         """~retry_delay ± jitter at the head of the line; rarer re-checks further back (docs/concepts.md)."""

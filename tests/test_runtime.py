@@ -390,3 +390,15 @@ def test_a_replacing_send_is_counted_logged_and_drops_when_no_waiter_is_left(
         metrics._active, metrics._disabled = saved
         gatekeeper.close()
     assert (replaced, dropped) == (1, 1)
+
+
+def test_run_options_follow_each_bound_config_and_are_kept_for_a_bounded_number() -> None:
+    gatekeeper = Gatekeeper(memory(), lease=30.0)
+    one, other = bound(limit=1), bound(limit=3, lease=5.0)
+    assert (gatekeeper.spec(one, "r1", (), {}).limit, gatekeeper.spec(one, "r1", (), {}).lease) == (1, 30.0)
+    assert (gatekeeper.spec(other, "r2", (), {}).limit, gatekeeper.spec(other, "r2", (), {}).lease) == (3, 5.0)
+    # Bound configs made again and again (each task's is made once by the adapters) are not all kept.
+    for limit in range(1, 3000):
+        assert gatekeeper.spec(bound(limit=limit), "r", (), {}).limit == limit
+    assert len(gatekeeper._spec_cache) <= 1024
+    gatekeeper.close()
