@@ -395,8 +395,9 @@ def test_a_replacing_send_is_counted_logged_and_drops_when_no_waiter_is_left(
 def test_run_options_follow_each_bound_config_and_are_kept_for_a_bounded_number() -> None:
     gatekeeper = Gatekeeper(memory(), lease=30.0)
     one, other = bound(limit=1), bound(limit=3, lease=5.0)
-    assert (gatekeeper.spec(one, "r1", (), {}).limit, gatekeeper.spec(one, "r1", (), {}).lease) == (1, 30.0)
-    assert (gatekeeper.spec(other, "r2", (), {}).limit, gatekeeper.spec(other, "r2", (), {}).lease) == (3, 5.0)
+    for task, limit, lease in [(one, 1, 30.0), (other, 3, 5.0), (one, 1, 30.0)]:
+        run = gatekeeper.spec(task, "r", (), {})
+        assert (run.limit, run.lease) == (limit, lease)
     # Bound configs made again and again (each task's is made once by the adapters) are not all kept.
     for limit in range(1, 3000):
         assert gatekeeper.spec(bound(limit=limit), "r", (), {}).limit == limit
