@@ -269,7 +269,8 @@ def observe_claim(
     """Everything a claim outcome counts: admitted / taken over / gated / evicted (not wakes)."""
     if active() is None:
         return
-    observe_evicted(task, len(outcome.evicted))
+    if outcome.evicted:
+        observe_evicted(task, len(outcome.evicted))
     if outcome.decision is Decision.ADMITTED:
         observe_admitted(
             task, now=now, registered_at=registered_at, woken_at=woken_at, takeover=outcome.takeover
@@ -282,7 +283,8 @@ def observe_release(task: str, outcome: ReleaseOutcome) -> None:
     """Everything a release outcome counts: released / evicted (not wakes)."""
     if active() is None:
         return
-    observe_evicted(task, len(outcome.evicted))
+    if outcome.evicted:
+        observe_evicted(task, len(outcome.evicted))
     if outcome.released:
         observe_released(task)
 

@@ -25,6 +25,13 @@ class RunSpec:
     #: Over the cap, take the newest waiter's place instead of answering FULL (``on_full="replace"``).
     replace_when_full: bool = False
 
+    def for_run(self, key: str, run_id: str) -> RunSpec:
+        """These options for the run ``run_id`` of ``key``: ``dataclasses.replace(self, key=key,
+        run_id=run_id)`` at a fifth of its cost (every send and every delivery makes one)."""
+        run = object.__new__(type(self))
+        run.__dict__.update(self.__dict__, key=key, run_id=run_id)
+        return run
+
 
 class Registered(enum.Enum):
     """Answer of ``register``."""

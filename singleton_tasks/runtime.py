@@ -11,7 +11,6 @@ times deferrals (what the broker needs) and metrics.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import random
@@ -214,7 +213,7 @@ class Gatekeeper:
             if len(self._spec_cache) >= _SPEC_CACHE_SIZE:
                 self._spec_cache.clear()  # bounds made again and again (not by the adapters): no leak
             cached = self._spec_cache[id(bound)] = (bound, self.spec_options(bound))
-        return dataclasses.replace(cached[1], key=bound.derive_key(args, kwargs), run_id=run_id)
+        return cached[1].for_run(bound.derive_key(args, kwargs), run_id)
 
     def deferral_delay(self, position: int | None, limit: int = 1) -> float:
         """~retry_delay ± jitter at the head of the line; rarer re-checks further back (docs/concepts.md)."""
@@ -370,11 +369,13 @@ class Gatekeeper:
                 outcome = self.store.claim(spec, generation, payload())
         else:
             outcome = self.store.claim(spec, generation, payload)
-        self.log_housekeeping(task_name, spec.scope, spec.key, outcome.evicted, outcome.removed)
+        if outcome.evicted or outcome.removed:
+            self.log_housekeeping(task_name, spec.scope, spec.key, outcome.evicted, outcome.removed)
         metrics.observe_claim(
             task_name, outcome, now=clock.now(), registered_at=registered_at, woken_at=woken_at
         )
-        metrics.observe_woken(task_name, len(outcome.wakes))
+        if outcome.wakes:
+            metrics.observe_woken(task_name, len(outcome.wakes))
         if outcome.decision is Decision.ADMITTED:
             if outcome.takeover:
                 logger.warning(
@@ -431,9 +432,11 @@ class Gatekeeper:
         outcome = self.store.release(
             spec.scope, spec.key, spec.run_id, token=token, generation=generation, waiting_only=waiting_only
         )
-        self.log_housekeeping(task_name, spec.scope, spec.key, outcome.evicted, outcome.removed)
+        if outcome.evicted or outcome.removed:
+            self.log_housekeeping(task_name, spec.scope, spec.key, outcome.evicted, outcome.removed)
         metrics.observe_release(task_name, outcome)
-        metrics.observe_woken(task_name, len(outcome.wakes))
+        if outcome.wakes:
+            metrics.observe_woken(task_name, len(outcome.wakes))
         if outcome.lost:
             log_lost_slot(task_name, spec.run_id, spec.key, token)
         return outcome

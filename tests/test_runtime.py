@@ -403,3 +403,13 @@ def test_run_options_follow_each_bound_config_and_are_kept_for_a_bounded_number(
         assert gatekeeper.spec(bound(limit=limit), "r", (), {}).limit == limit
     assert len(gatekeeper._spec_cache) <= 1024
     gatekeeper.close()
+
+
+def test_run_spec_for_run_is_replace_of_the_key_and_run_id() -> None:
+    options = RunSpec("s", "", "", limit=3, max_queue_depth=7, lease=5.0, orphan_timeout=None, recheck=2.5)
+    run = options.for_run("k", "r")
+    assert run == dataclasses.replace(options, key="k", run_id="r")
+    assert type(run) is RunSpec and hash(run) == hash(dataclasses.replace(options, key="k", run_id="r"))
+    assert (options.key, options.run_id) == ("", "")  # the options are left as they were
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        run.key = "other"  # type: ignore[misc]

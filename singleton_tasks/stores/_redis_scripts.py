@@ -156,11 +156,16 @@ def maybe_int(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
+# Most replies name no run: () without building a generator (every claim and release parses three).
 def wakes(scope: str, key: str, rows: Sequence[Sequence[Any]]) -> tuple[Wake, ...]:
+    if not rows:
+        return ()
     return tuple(Wake(scope, key, from_text(run_id), int(gen), payload) for run_id, gen, payload in rows)
 
 
 def names(rows: Sequence[bytes]) -> tuple[str, ...]:
+    if not rows:
+        return ()
     return tuple(from_text(run_id) for run_id in rows)
 
 
