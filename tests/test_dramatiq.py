@@ -431,6 +431,40 @@ def test_release_wakes_the_next_waiter_without_the_timer(make_env: Callable[...,
     assert env.journal.max_concurrency("hot") == 1
 
 
+class _Tracer(dramatiq.Middleware):
+    """A later middleware that tags every message it sees sent with the sender's trace id."""
+
+    def __init__(self) -> None:
+        self.current = "worker"
+        self.seen: dict[str, set[str]] = {}
+
+    def before_enqueue(self, broker: dramatiq.Broker, message: Any, delay: int) -> None:
+        message.options.setdefault("trace_id", self.current)
+
+    def before_process_message(self, broker: dramatiq.Broker, message: Any) -> None:
+        self.seen.setdefault(message.message_id, set()).add(message.options.get("trace_id"))
+
+
+def test_a_woken_run_keeps_what_a_later_middleware_added_to_its_message(make_env: Callable[..., Env]) -> None:
+    # The registration stores the message before a later middleware's before_enqueue tags it:
+    # the wake must publish the message as it was sent, not as it was registered.
+    env = make_env(retry_delay=30.0, retry_jitter=0.0)
+    tracer = _Tracer()
+    env.broker.add_middleware(tracer)  # after SingletonMiddleware
+    job = env.job()
+    env.start()
+    env.hold("holder")
+    job.send("K", "holder")
+    env.journal.wait(lambda: env.journal.started() == ["holder"])
+    tracer.current = "the sender's"
+    waiter = job.send("K", "waiter")
+    tracer.current = "worker"
+    env.journal.wait(lambda: env.gated(waiter.message_id))
+    env.let_go("holder")  # the wake is published on the worker, where the trace is "worker"
+    env.journal.wait(lambda: env.journal.finished("waiter"))
+    assert tracer.seen[waiter.message_id] == {"the sender's"}
+
+
 def test_woken_copy_and_delayed_copy_run_the_body_once(make_env: Callable[..., Env]) -> None:
     env = make_env(retry_delay=0.3, retry_jitter=0.0)
     job = env.job()

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import datetime
-import functools
 import inspect
 import logging
 import warnings
@@ -304,14 +303,14 @@ class SingletonTask(Task):  # type: ignore[misc]
         setattr(request, DELIVERY_ATTRIBUTE, delivery)  # marks the delivery as handled here
         gatekeeper = gatekeeper_for(self._get_app())
         delivery.spec = spec = gatekeeper.spec(bound, task_id, tuple(args or ()), dict(kwargs or {}))
-        # A first delivery is the message its registration stored: encoded only if the store has none.
-        delivered = functools.partial(payload_of, self, request)
         try:
             outcome = gatekeeper.claim(
                 self.name,
                 spec,
                 delivery.generation,
-                delivered if delivery.generation == 0 else delivered(),
+                # Always the delivered request: the registration's signature lacks what Celery
+                # adds at the publish (reply_to, parent and root ids, an absolute expires).
+                payload_of(self, request),
                 registered_at=sent_at(request),
                 woken_at=woken_at(request),
             )

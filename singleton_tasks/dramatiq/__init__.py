@@ -150,6 +150,9 @@ class SingletonMiddleware(dramatiq.Middleware):
         )
         self._local = threading.local()
         self._quiet = QuietSkips(self._is_quiet_deferral)
+        #: (the broker's middleware list, its length, whether what a registration stores is what
+        #: the broker publishes): see _stores_what_is_sent.
+        self._sent_as_stored: tuple[list[dramatiq.Middleware], int, bool] | None = None
 
     def __repr__(self) -> str:
         store = self.gatekeeper._store_arg
@@ -327,8 +330,10 @@ class SingletonMiddleware(dramatiq.Middleware):
             raise KeyFailed(str(error)) from error
         delivery.spec = spec
         # The proxied message as is (copy() would only cost a replace()). A first delivery is the
-        # message its registration stored: encoded only if the store has none.
-        payload = message.encode if generation == 0 else message.encode()
+        # message its registration stored (unless a later middleware changed it as it was sent):
+        # encoded only if the store has none.
+        lazy = generation == 0 and self._stores_what_is_sent(broker)
+        payload = message.encode if lazy else message.encode()
         try:
             outcome = self.gatekeeper.claim(
                 bound.task_name,
@@ -362,6 +367,19 @@ class SingletonMiddleware(dramatiq.Middleware):
         self._wake(broker, outcome.wakes)
         delivery.quiet = True
         raise SkipMessage(f"singleton key {spec.key!r} busy: deferred")
+
+    def _stores_what_is_sent(self, broker: Broker) -> bool:
+        """Whether the message a registration stores (encoded in this before_enqueue) is the one the
+        broker publishes: no middleware after this one has a before_enqueue of its own, which
+        could add options (a trace id) that a wake of the stored message would lack."""
+        middleware = broker.middleware
+        known = self._sent_as_stored
+        if known is not None and known[0] is middleware and known[1] == len(middleware):
+            return known[2]
+        later = middleware[next((i + 1 for i, m in enumerate(middleware) if m is self), 0) :]
+        same = all(type(m).before_enqueue is dramatiq.Middleware.before_enqueue for m in later)
+        self._sent_as_stored = (middleware, len(middleware), same)
+        return same
 
     def _defer(self, broker: Broker, message: MessageProxy, generation: int, delay: float) -> None:
         """Publish the delayed copy that re-checks this run, then keep Results off this delivery."""

@@ -101,7 +101,7 @@ class RedisStore(RedisPlumbing):
     """
 
     schemes = ("redis", "rediss")
-    drivers = ("redis",)
+    drivers = ("redis", "hiredis")  # hiredis packs the script calls (_redis_call)
     extra = "redis"
     migrates_on_first_use = True
 
