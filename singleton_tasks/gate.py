@@ -386,8 +386,8 @@ def claim(
 
     ``PAYLOAD_ON_REQUEST`` (a first delivery of the message its registration stored): the stored
     payload stays; a run with none that could wait in line (not registered, or registered
-    without one, and not holding a slot) is answered ``PAYLOAD_NEEDED`` before anything is
-    written, so that no waiter is ever left without a message to be issued from.
+    without one, and not holding a slot) is answered ``PAYLOAD_NEEDED`` before the run or the
+    line is touched, so that no waiter is ever left without a message to be issued from.
     """
     run = tx.get_run(spec.run_id)  # housekeeping keeps the caller's run: read once, here
     if payload is PayloadRequest.ON_REQUEST:

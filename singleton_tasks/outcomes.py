@@ -59,7 +59,7 @@ class Decision(enum.Enum):
     BUSY = "busy"  # the run executes elsewhere under a live lease: defer, never run twice
     STALE = "stale"  # a dead copy: ack and drop, never run
     #: Claimed with ``PAYLOAD_ON_REQUEST`` and the store holds no message to issue the run from:
-    #: claim again with the payload. Nothing was written.
+    #: claim again with the payload. The run was not recorded (nor the line changed).
     PAYLOAD_NEEDED = "payload_needed"
 
 
