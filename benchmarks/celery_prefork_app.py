@@ -17,7 +17,7 @@ from celery import Celery, Task, signals
 
 from singleton_tasks.celery import SingletonTask, install
 
-from .common import BROKER_REDIS_URL, RABBITMQ_URL, STORE_REDIS_URL, BareRoundTrips
+from .common import BROKER_REDIS_URL, RABBITMQ_URL, STORE_REDIS_URL, BareRoundTrips, SpanFile
 
 TASK = "bench_prefork_noop"
 #: What each variant adds to plain Celery (early acks): the floor and the singleton ack late.
@@ -42,20 +42,6 @@ class PreforkConfig:
         return cls(**{name: os.environ[f"BENCH_CP_{name.upper()}"] for name in cls.__annotations__})
 
 
-class _Spans:
-    """Appends each body's span with one unbuffered write (O_APPEND: lines of concurrent
-    processes never interleave); the file is opened once per process."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._fd: tuple[int, int] | None = None  # (pid, fd)
-
-    def write(self, index: int, start: float, end: float) -> None:
-        if self._fd is None or self._fd[0] != os.getpid():
-            self._fd = (os.getpid(), os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644))
-        os.write(self._fd[1], f"{index} {start!r} {end!r}\n".encode())
-
-
 def build(config: PreforkConfig) -> tuple[Celery, Task[Any, Any]]:
     """The app and its one no-op task (``k:{i}`` keys for the singleton variant)."""
     url = BROKER_REDIS_URL if config.broker == "redis" else RABBITMQ_URL.rstrip("/") + "//"
@@ -71,7 +57,7 @@ def build(config: PreforkConfig) -> tuple[Celery, Task[Any, Any]]:
     if config.variant == "singleton":
         install(app, STORE_REDIS_URL, namespace=config.namespace)
         options = {"base": SingletonTask, "singleton": {"key": "k:{i}"}}
-    spans = _Spans(config.spans)
+    spans = SpanFile(config.spans)
 
     def noop(i: int) -> None:
         start = time.perf_counter()

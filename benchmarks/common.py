@@ -115,6 +115,22 @@ class BareRoundTrips:
         self._pool.disconnect()
 
 
+class SpanFile:
+    """The file a worker process's bodies append their spans to, as "index start end" lines
+    (perf_counter seconds; defaults_cases.read_spans reads them): one unbuffered ``O_APPEND``
+    write per span, so the lines of concurrent processes never interleave; opened once per
+    process (a forked child opens its own)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd: tuple[int, int] | None = None  # (pid, fd)
+
+    def write(self, index: int, start: float, end: float) -> None:
+        if self._fd is None or self._fd[0] != os.getpid():
+            self._fd = (os.getpid(), os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644))
+        os.write(self._fd[1], f"{index} {start!r} {end!r}\n".encode())
+
+
 def timed_sends(
     n: int, send: Callable[[int], object], flush: Callable[[], None], *, floor: bool
 ) -> tuple[float, float]:
@@ -301,10 +317,10 @@ def floor_target(
     plain = statistics.median(results["plain"])
     subject = statistics.median(results["singleton"])
     floor = statistics.median(results["floor"])
-    trips = f"{round_trips} bare round trip{'s' if round_trips > 1 else ''}"
+    plural = "s" if round_trips > 1 else ""
     names = {
         "plain": "plain",
-        "floor": floor_name or f"floor: plain + {round_trips} round trip{'s' if round_trips > 1 else ''}",
+        "floor": floor_name or f"floor: plain + {round_trips} round trip{plural}",
         "singleton": "singleton-tasks",
         **(others or {}),
     }
@@ -316,7 +332,8 @@ def floor_target(
     report.target(
         case,
         f"{what}: ≥ {FLOOR_TARGET:.2f}× the floor (median of alternating rounds)",
-        f"{subject / floor:.2f}× the floor ({subject / plain:.2f}× plain; the floor, plain + {trips}: "
+        f"{subject / floor:.2f}× the floor ({subject / plain:.2f}× plain; "
+        f"the floor, plain + {round_trips} bare round trip{plural}: "
         f"{floor / plain:.2f}× plain)",
         subject / floor >= FLOOR_TARGET,
     )

@@ -17,6 +17,8 @@ import dramatiq
 
 from singleton_tasks.dramatiq import SingletonMiddleware
 
+from .common import SpanFile
+
 ACTOR = "bench_body"
 KEY = "quickstart"
 
@@ -64,6 +66,7 @@ def build(config: QuickstartConfig) -> tuple[dramatiq.Broker, dramatiq.Actor[Any
         broker = RabbitmqBroker(url=config.broker_url)
     if config.store:
         broker.add_middleware(SingletonMiddleware(store=config.store, namespace=config.namespace))
+    spans = SpanFile(config.spans)
 
     def body(index: int, seconds: float, hold: bool = False) -> None:
         start = time.perf_counter()
@@ -72,9 +75,7 @@ def build(config: QuickstartConfig) -> tuple[dramatiq.Broker, dramatiq.Actor[Any
                 time.sleep(0.001)
         else:
             time.sleep(seconds)
-        end = time.perf_counter()
-        with open(config.spans, "a", encoding="utf-8") as spans:
-            spans.write(f"{index} {start!r} {end!r}\n")
+        spans.write(index, start, time.perf_counter())
 
     options: dict[str, Any] = {"singleton": {"key": KEY}} if config.store else {}
     actor = dramatiq.actor(actor_name=ACTOR, broker=broker, queue_name=config.queue, **options)(body)

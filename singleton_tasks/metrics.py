@@ -202,11 +202,17 @@ def observe_gated(task: str) -> None:
         metrics.of(metrics.gated, task).inc()
 
 
+def _add(task: str, count: int, counter: str) -> None:
+    """Add ``count`` to the ``counter`` of ``task``; a count of 0 (the usual answer) costs nothing."""
+    if count > 0:
+        metrics = active()
+        if metrics is not None:
+            metrics.of(getattr(metrics, counter), task).inc(count)
+
+
 def observe_woken(task: str, count: int = 1) -> None:
     """``count`` wake copies were published (``task``: the woken message's task)."""
-    metrics = active()
-    if metrics is not None and count > 0:
-        metrics.of(metrics.woken, task).inc(count)
+    _add(task, count, "woken")
 
 
 def observe_released(task: str) -> None:
@@ -239,23 +245,17 @@ def observe_replaced(task: str) -> None:
 
 def observe_evicted(task: str, count: int = 1) -> None:
     """``count`` orphaned holders were evicted by a store call made for ``task``."""
-    metrics = active()
-    if metrics is not None and count > 0:
-        metrics.of(metrics.evicted, task).inc(count)
+    _add(task, count, "evicted")
 
 
 def observe_reissued(task: str, count: int = 1) -> None:
     """``count`` waiters were issued again by a key's own due work (``task``: their scope)."""
-    metrics = active()
-    if metrics is not None and count > 0:
-        metrics.of(metrics.reissued, task).inc(count)
+    _add(task, count, "reissued")
 
 
 def observe_abandoned(task: str, count: int = 1) -> None:
     """``count`` waiters were removed as abandoned (``task``: their task, or their scope)."""
-    metrics = active()
-    if metrics is not None and count > 0:
-        metrics.of(metrics.abandoned, task).inc(count)
+    _add(task, count, "abandoned")
 
 
 def observe_claim(
@@ -269,8 +269,7 @@ def observe_claim(
     """Everything a claim outcome counts: admitted / taken over / gated / evicted (not wakes)."""
     if active() is None:
         return
-    if outcome.evicted:
-        observe_evicted(task, len(outcome.evicted))
+    observe_evicted(task, len(outcome.evicted))
     if outcome.decision is Decision.ADMITTED:
         observe_admitted(
             task, now=now, registered_at=registered_at, woken_at=woken_at, takeover=outcome.takeover
@@ -283,8 +282,7 @@ def observe_release(task: str, outcome: ReleaseOutcome) -> None:
     """Everything a release outcome counts: released / evicted (not wakes)."""
     if active() is None:
         return
-    if outcome.evicted:
-        observe_evicted(task, len(outcome.evicted))
+    observe_evicted(task, len(outcome.evicted))
     if outcome.released:
         observe_released(task)
 

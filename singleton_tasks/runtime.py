@@ -369,13 +369,11 @@ class Gatekeeper:
                 outcome = self.store.claim(spec, generation, payload())
         else:
             outcome = self.store.claim(spec, generation, payload)
-        if outcome.evicted or outcome.removed:
-            self.log_housekeeping(task_name, spec.scope, spec.key, outcome.evicted, outcome.removed)
+        self.log_housekeeping(task_name, spec.scope, spec.key, outcome.evicted, outcome.removed)
         metrics.observe_claim(
             task_name, outcome, now=clock.now(), registered_at=registered_at, woken_at=woken_at
         )
-        if outcome.wakes:
-            metrics.observe_woken(task_name, len(outcome.wakes))
+        metrics.observe_woken(task_name, len(outcome.wakes))
         if outcome.decision is Decision.ADMITTED:
             if outcome.takeover:
                 logger.warning(
@@ -432,11 +430,9 @@ class Gatekeeper:
         outcome = self.store.release(
             spec.scope, spec.key, spec.run_id, token=token, generation=generation, waiting_only=waiting_only
         )
-        if outcome.evicted or outcome.removed:
-            self.log_housekeeping(task_name, spec.scope, spec.key, outcome.evicted, outcome.removed)
+        self.log_housekeeping(task_name, spec.scope, spec.key, outcome.evicted, outcome.removed)
         metrics.observe_release(task_name, outcome)
-        if outcome.wakes:
-            metrics.observe_woken(task_name, len(outcome.wakes))
+        metrics.observe_woken(task_name, len(outcome.wakes))
         if outcome.lost:
             log_lost_slot(task_name, spec.run_id, spec.key, token)
         return outcome
@@ -446,6 +442,8 @@ class Gatekeeper:
         task_name: str, scope: str, key: str, evicted: Sequence[str], removed: Sequence[str]
     ) -> None:
         """Log what a store operation did to a key's line by itself: holders evicted, waiters abandoned."""
+        if not evicted and not removed:
+            return  # what nearly every operation answers
         for run_id in evicted:
             logger.warning(
                 "evicted orphaned holder %s of key %r (scope %r): its lease lapsed over orphan_timeout ago",
