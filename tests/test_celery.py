@@ -7,6 +7,7 @@ is shared across apps by default, and the memory transport's queues are process-
 from __future__ import annotations
 
 import contextlib
+import datetime
 import itertools
 import logging
 import os
@@ -469,6 +470,51 @@ def test_a_run_that_can_only_wait_is_published_held_back_and_woken_by_the_releas
     assert journal.overlaps == [] and journal.labels() == ["holder", "B", "C"]
     decisions = [r.getMessage() for r in caplog.records if " key 'k' gen " in r.getMessage()]
     assert not [d for d in decisions if d.endswith("gated") or "gated (position" in d], decisions
+
+
+@pytest.mark.slow  # an in-process Celery worker takes about a second to stop
+def test_a_woken_run_is_published_with_what_its_send_gave_it(store: Store, journal: Journal) -> None:
+    # Held back runs are woken from their stored signatures by the thread that releases the key:
+    # each must keep its sender's reply queue (rpc:// results), the parent and root of the body
+    # that sent it, and an expiry counted from its send, not from the wake.
+    app = make_app(store, retry_delay=30.0, max_retry_delay=30.0)
+    gate_open = threading.Event()
+    seen: dict[str, tuple[Any, ...]] = {}
+
+    @app.task(base=SingletonTask, singleton={"key": "k"}, name=unique(), shared=False, bind=True)
+    def job(self: Any, label: str) -> str:
+        with journal.body(label, "k"):
+            if label == "holder":
+                assert gate_open.wait(10)
+        request = self.request
+        seen[label] = (request.reply_to, request.parent_id, request.root_id, request.expires)
+        return label
+
+    @app.task(name=unique(), shared=False, bind=True)
+    def sender(self: Any) -> list[str]:
+        return [job.apply_async(("from-body",), expires=120).id, self.request.id, app.thread_oid]
+
+    with worker(app, concurrency=4):
+        holder = job.delay("holder")
+        wait_for(lambda: bool(journal.get("holder")), what="the holder to start")
+        sent_at = app.now()
+        from_test = job.apply_async(("from-test",), expires=120)
+        expiring = job.apply_async(("expiring",), expires=0.5)
+        from_body, sender_id, sender_oid = sender.delay().get(interval=0.01, timeout=10)
+        assert len(runs_of(store)) == 4  # each waits parked
+        time.sleep(1.0)  # past the expiring run's expiry; the others' would move if counted from the wake
+        gate_open.set()
+        assert holder.get(interval=0.01, timeout=10) == "holder"
+        assert from_test.get(interval=0.01, timeout=10) == "from-test"
+        assert AsyncResult(from_body, app=app).get(interval=0.01, timeout=10) == "from-body"
+        wait_for(lambda: not runs_of(store), what="the key to drain")
+    assert expiring.state == "REVOKED" and "expiring" not in seen
+    assert journal.labels() == ["holder", "from-test", "from-body"]
+    assert seen["from-test"][:3] == (app.thread_oid, None, from_test.id)  # Celery's root of a top-level run
+    assert seen["from-body"][:3] == (sender_oid, sender_id, sender_id)
+    for label in ("from-test", "from-body"):
+        expires_at = datetime.datetime.fromisoformat(seen[label][3])
+        assert abs((expires_at - sent_at).total_seconds() - 120) < 0.5, (label, expires_at, sent_at)
 
 
 # -- retries keep the slot (docs/concepts.md#the-life-of-a-run) ------------------------------------

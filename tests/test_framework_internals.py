@@ -48,6 +48,26 @@ def test_celery_1_current_worker_task_and_active_apps() -> None:
     assert app in celery_internals.active_apps()
 
 
+def test_celery_1_outside_running_tasks_hides_this_threads_tasks_and_restores_them() -> None:
+    app = _app()
+    seen: list[Any] = []
+
+    @app.task(name="internals.inner", shared=False, bind=True)
+    def inner(self: Any) -> None:
+        seen.append(celery_internals.current_worker_task() is self)
+        with celery_internals.outside_running_tasks():
+            seen.append(celery_internals.current_worker_task())
+        seen.append(celery_internals.current_worker_task() is self)
+
+    @app.task(name="internals.outer", shared=False)
+    def outer() -> None:
+        inner.apply()
+
+    outer.apply().get()
+    assert seen == [True, None, True]
+    assert celery_internals.current_worker_task() is None
+
+
 def test_celery_2_every_task_from_a_function_goes_through_task_from_fun() -> None:
     app = _app()
     made: list[Any] = []

@@ -4,8 +4,12 @@ Checked on Celery 5.7.0 (the version CI installs); ``tests/test_framework_intern
 when an upgrade changes one of them. Each is needed because Celery offers no public way:
 
 1. ``celery._state``: ``get_current_worker_task`` (the task the worker runs now, to tell a chain
-   step it publishes from a user's call), ``_get_active_apps`` and ``connect_on_app_finalize``
-   (a ``@shared_task`` exists once per app, created when each app is finalized).
+   step it publishes from a user's call, and to store a run sent from a body with the parent
+   and root ids Celery's publish gives it), ``push_current_task``/``pop_current_task`` (this
+   thread's stack of running tasks: hidden while a wake is published for another sender, or
+   ``send_task`` would make the releasing run its parent), ``_get_active_apps`` and
+   ``connect_on_app_finalize`` (a ``@shared_task`` exists once per app, created when each app
+   is finalized).
 2. ``Celery._task_from_fun`` (an app's method that makes every task from a function, for
    ``@app.task``, its promise, ``@shared_task`` and autodiscovery) and ``Celery._tasks`` (the
    registry's dict): tasks declared a singleton without ``SingletonTask`` are adopted as made.
@@ -33,14 +37,22 @@ when an upgrade changes one of them. Each is needed because Celery offers no pub
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from celery import Celery
-from celery._state import _get_active_apps, connect_on_app_finalize, get_current_worker_task
+from celery._state import (
+    _get_active_apps,
+    connect_on_app_finalize,
+    get_current_task,
+    get_current_worker_task,
+    pop_current_task,
+    push_current_task,
+)
 
 __all__ = [
     "active_apps",
@@ -53,6 +65,7 @@ __all__ = [
     "mark_tracer_call",
     "on_app_finalize",
     "option_chosen_by_class",
+    "outside_running_tasks",
     "promise_parts",
     "replace_task_class",
     "shared_task_parts",
@@ -65,6 +78,19 @@ on_app_finalize = connect_on_app_finalize
 def current_worker_task() -> Any:
     """The task the worker is executing in this thread, or None (1.)."""
     return get_current_worker_task()
+
+
+@contextlib.contextmanager
+def outside_running_tasks() -> Iterator[None]:
+    """This thread's running tasks hidden inside: a publish there has no parent task (1.)."""
+    hidden = []
+    while get_current_task() is not None:
+        hidden.append(pop_current_task())
+    try:
+        yield
+    finally:
+        for task in reversed(hidden):
+            push_current_task(task)
 
 
 def active_apps() -> list[Celery]:

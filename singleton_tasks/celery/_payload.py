@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import datetime
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -22,6 +23,7 @@ from .. import clock
 from ..errors import SingletonPayloadError
 from ..outcomes import Wake
 from ..runtime import GENERATION_FIELD
+from ._internals import current_worker_task, outside_running_tasks
 
 logger = logging.getLogger("singleton_tasks")
 
@@ -153,8 +155,33 @@ def _signature_for(
     """The run ``apply_async`` is about to publish, as ``payload_of`` would see it delivered."""
     given = {"link": link, "link_error": link_error, "shadow": shadow}
     signature_options = {**options, **{k: v for k, v in given.items() if v is not None}}
+    signature_options.update(_added_at_the_publish(task, signature_options))
     signature: Signature = task.signature(args, kwargs, **signature_options, task_id=run_id)
     return signature
+
+
+def _added_at_the_publish(task: Any, options: Mapping[str, Any]) -> dict[str, Any]:
+    """What Celery's ``send_task`` adds to the message from the sender's context, fixed now.
+
+    A copy published later from the stored signature (a wake, a re-issue) is published by
+    another process: left to ``send_task`` there, its result would go to the waker's reply
+    queue (``rpc://``), its parent would be the run that released the key, and a relative
+    ``expires`` would count from the wake.
+    """
+    app = task._get_app()
+    added: dict[str, Any] = {}
+    if not options.get("reply_to"):
+        added["reply_to"] = app.thread_oid
+    parent = current_worker_task()
+    if parent is not None:
+        if not options.get("root_id"):
+            added["root_id"] = parent.request.root_id or parent.request.id
+        if not options.get("parent_id"):
+            added["parent_id"] = parent.request.id
+    expires = options.get("expires", task.expires)
+    if isinstance(expires, (int, float)):
+        added["expires"] = app.now() + datetime.timedelta(seconds=expires)
+    return added
 
 
 def _json_payload(built: Signature) -> bytes:
@@ -192,7 +219,7 @@ def publish_wakes(app: Celery, wakes: Iterable[Wake]) -> None:
                 GENERATION_HEADER: wake.generation,
                 WOKEN_AT_HEADER: clock.now(),
             }
-            with republishing():
+            with republishing(), outside_running_tasks():  # published for its sender, not the waker
                 signature.apply_async()
             logger.debug("woke run %s of key %r (generation %s)", wake.run_id, wake.key, wake.generation)
         except Exception:

@@ -556,6 +556,27 @@ def test_a_task_without_a_singleton_option_loses_its_worker_as_the_app_settings_
 
 
 @pytest.mark.parametrize("broker", brokers())
+def test_an_rpc_result_of_a_woken_run_reaches_its_sender(
+    make_workers: Callable[..., Workers], broker: str
+) -> None:
+    """The waiter is published held back and woken by the worker that releases the key, from the
+    signature stored at its send: its ``rpc://`` result goes to this process's reply queue."""
+    workers = make_workers(
+        broker, "redis", retry_delay=30.0, app_conf=json.dumps({"result_backend": "rpc://"})
+    )
+    workers.start()
+    key, go = unique("R"), unique("go")
+    holder = workers.record.delay(key, "holder", 0.0, until=go)
+    workers.wait(lambda: workers.started(key) == ["holder"], what="the holder to start")
+    waiter = workers.record.delay(key, "waiter", 0.0)
+    workers.wait_gated(key, waiter.id)
+    workers.go(go)
+    assert waiter.get(timeout=25) == "waiter"
+    assert holder.get(timeout=5) == "holder"
+    assert len([d for d in workers.deliveries(waiter.id) if d["gen"]]) == 1  # it ran as the woken copy
+
+
+@pytest.mark.parametrize("broker", brokers())
 def test_a_prefork_worker_serves_the_singleton_metrics_of_its_pool_processes(
     make_workers: Callable[..., Workers], broker: str, tmp_path: Path
 ) -> None:
