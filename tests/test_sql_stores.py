@@ -14,7 +14,7 @@ from conftest import POSTGRES_URL, backend_params, require_server
 
 from singleton_tasks import Store, store_from_url
 from singleton_tasks.errors import SingletonConfigError, StoreUnavailableError
-from singleton_tasks.outcomes import Decision, HolderRef, RunSpec
+from singleton_tasks.outcomes import PAYLOAD_ON_REQUEST, Decision, HolderRef, RunSpec
 from singleton_tasks.stores._sql import SQLStore
 from singleton_tasks.stores.sqlite import sqlite_path
 from singleton_tasks.testing import ManualClock, at
@@ -172,6 +172,21 @@ def test_an_idle_key_keeps_its_row_until_retention(make_store: Callable[..., Sto
     assert at(store, 1051.0).release("s", "k", "r2", token=None).released
     assert at(store, 1200.0).sweep() == 3  # two markers and the key: nothing left
     assert _rows(store, sql_url) == (0, 0)
+
+
+def test_a_call_that_writes_nothing_leaves_no_key_row(make_store: Callable[..., Store], sql_url: str) -> None:
+    """Calls about runs the store never saw write nothing: no key row is left behind (a row that
+    never held a run is never idle, so no sweep would ever remove it)."""
+    store = at(make_store(retention=100.0), 1000.0)
+    asked = store.claim(RunSpec("s", "k1", "r1"), 0, PAYLOAD_ON_REQUEST)
+    assert asked.decision is Decision.PAYLOAD_NEEDED
+    assert not store.confirm("s", "k2", "r2")
+    assert store.park("s", "k3", "r3") == ()
+    assert not store.suspend("s", "k4", "r4", 1, delay=1.0)
+    assert not store.unregister("s", "k5", "r5")
+    assert _rows(store, sql_url) == (0, 0)
+    assert store.claim(RunSpec("s", "k1", "r1"), 0, b"r1").decision is Decision.ADMITTED  # the claim again
+    assert _rows(store, sql_url) == (1, 0)
 
 
 def _rows(store: Store, sql_url: str) -> tuple[int, int]:

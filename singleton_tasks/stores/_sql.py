@@ -269,6 +269,7 @@ class SQLKeyTransaction(KeyTransaction):
         self._now_arg = now  # the clock to decide at (None: the database server's)
         self._now = 0.0
         self._meta = KeyMeta()  # the key row as stored, so unchanged counters are not rewritten
+        self._created = False  # this transaction inserted the key row and has not written it since
         self._runs: dict[str, RunRecord | None] = {}  # run id -> its row as it is now (None: absent)
         self._holders: dict[str, RunRecord] | None = None  # with _count: loaded together, kept exact
         self._count = 0
@@ -296,7 +297,7 @@ class SQLKeyTransaction(KeyTransaction):
                 return False
             # Another transaction may create it first (we then wait for it) or delete it while
             # we wait for its lock (an idle key forgotten): either way, look again.
-            self._cursor.run("insert_key", self._key)
+            self._created = self._cursor.run("insert_key", self._key) == 1
         raise StoreUnavailableError(f"could not lock key {self._key['key']!r}: it keeps disappearing")
 
     def _summary(self) -> dict[str, RunRecord]:
@@ -326,10 +327,18 @@ class SQLKeyTransaction(KeyTransaction):
     def meta(self) -> KeyMeta | None:
         return replace(self._meta)
 
+    def drop_if_unwritten(self) -> None:
+        """Delete the key row this transaction inserted and never wrote: a call that wrote nothing
+        (a claim asked for its payload, a confirm of an unknown run) leaves no row, which would
+        never be idle and so never swept."""
+        if self._created:
+            self._cursor.run("delete_key", self._key)
+
     def save_meta(self, meta: KeyMeta) -> None:
         if meta == self._meta:
             return
         became_idle = meta.idle_until is not None and self._meta.idle_until is None
+        self._created = False
         self._cursor.run(
             "update_key",
             {
@@ -353,6 +362,7 @@ class SQLKeyTransaction(KeyTransaction):
         return None if run is None else run.copy()
 
     def save_run(self, run: RunRecord) -> None:
+        self._created = False
         self._cursor.run("save_run", {**self._key, **encode_run(run), "run_id": self._text(run.run_id)})
         if self._holders is not None:
             if run.run_id not in self._runs:
@@ -447,6 +457,7 @@ class SQLStore(RuleStore):
             tx = SQLKeyTransaction(cursor, self.namespace, scope, key, now=self._now_arg())
             tx.lock(create=True)
             yield tx
+            tx.drop_if_unwritten()
 
     def _heartbeat_batch(self, holders: Sequence[HolderRef]) -> tuple[list[bool], float]:
         alive = [False] * len(holders)

@@ -59,6 +59,15 @@ class _Server:
                 return data
             data.lock.release()
 
+    def drop_if_unwritten(self, ident: Ident, data: _KeyData) -> None:
+        """Forget a key made by a lookup that wrote nothing to it (``data`` locked): it would never
+        be idle, so never forgotten."""
+        if data.meta is None and not data.runs and not data.settled:
+            with self.lock:
+                if self.keys.get(ident) is data:
+                    data.removed = True
+                    del self.keys[ident]
+
     def forget_idle(self, now: float) -> None:
         """Drop keys idle past their ``idle_until`` (any namespace): nothing of them is left."""
         while self.idle and self.idle[0][0] < now:
@@ -244,6 +253,7 @@ class MemoryStore(RuleStore):
                 tx.rollback()
                 raise
         finally:
+            server.drop_if_unwritten(ident, data)
             data.lock.release()
         server.forget_idle(now)
 

@@ -36,6 +36,9 @@ INSERT INTO singleton_keys (namespace, scope, key, token, seq, slot_limit)
 VALUES (:namespace, :scope, :key, 0, 0, 1)
 ON CONFLICT (namespace, scope, key) DO NOTHING;
 
+-- name: delete_key
+DELETE FROM singleton_keys WHERE namespace = :namespace AND scope = :scope AND key = :key;
+
 -- name: update_key
 UPDATE singleton_keys
 SET token = :token, seq = :seq, slot_limit = :slot_limit, idle_until = :idle_until, due_at = :due_at
