@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from celery import Celery, chain, group, shared_task
+from celery import Celery, chain, group, shared_task, signals
 from celery.contrib.testing.worker import start_worker
 from celery.exceptions import Ignore, MaxRetriesExceededError, TaskRevokedError
 from celery.result import AsyncResult
@@ -45,7 +45,15 @@ from singleton_tasks import (
     store_from_url,
 )
 from singleton_tasks.celery import GENERATION_HEADER, SingletonTask, gatekeeper_for, install
-from singleton_tasks.outcomes import RegisterOutcome, RunSpec, RunState, Wake
+from singleton_tasks.outcomes import (
+    PAYLOAD_ON_REQUEST,
+    ClaimOutcome,
+    PayloadRequest,
+    RegisterOutcome,
+    RunSpec,
+    RunState,
+    Wake,
+)
 from singleton_tasks.stores import Store
 from singleton_tasks.stores.memory import MemoryStore
 
@@ -515,6 +523,78 @@ def test_a_woken_run_is_published_with_what_its_send_gave_it(store: Store, journ
     for label in ("from-test", "from-body"):
         expires_at = datetime.datetime.fromisoformat(seen[label][3])
         assert abs((expires_at - sent_at).total_seconds() - 120) < 0.5, (label, expires_at, sent_at)
+
+
+class _ClaimRecorder(MemoryStore):
+    """A real memory store that records what each claim was given as its payload."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.claimed: list[tuple[str, int, object]] = []
+
+    def claim(
+        self, spec: RunSpec, generation: int, payload: bytes | PayloadRequest | None = None
+    ) -> ClaimOutcome:
+        self.claimed.append((spec.run_id, generation, payload))
+        return super().claim(spec, generation, payload)
+
+
+@pytest.mark.slow  # an in-process Celery worker takes about a second to stop
+def test_a_first_delivery_claims_without_encoding_its_message(journal: Journal) -> None:
+    # Its registration stored the signature it was sent as: the claim asks for the delivered
+    # message only if the store has none (app.send_task registers nothing).
+    store = _ClaimRecorder(f"memory://{unique()}")
+    app = make_app(store)
+    job, release_holder = held_key_job(app, journal)
+    release_holder.set()
+    with worker(app, concurrency=2):
+        sent = job.delay("sent")
+        assert sent.get(interval=0.01, timeout=10) == "sent"
+        unregistered = app.send_task(job.name, ("unregistered",))
+        assert unregistered.get(interval=0.01, timeout=10) == "unregistered"
+    assert [(g, p) for r, g, p in store.claimed if r == sent.id] == [(0, PAYLOAD_ON_REQUEST)]
+    asked = [
+        (g, p if p is PAYLOAD_ON_REQUEST else type(p)) for r, g, p in store.claimed if r == unregistered.id
+    ]
+    assert asked == [(0, PAYLOAD_ON_REQUEST), (0, bytes)]
+
+
+@pytest.mark.slow  # an in-process Celery worker takes about a second to stop
+def test_a_woken_run_keeps_what_a_publish_receiver_added_to_its_message(
+    store: Store, journal: Journal
+) -> None:
+    # A before_task_publish receiver tags the message as it is sent, after the registration stored
+    # its signature: a waiter delivered and gated is woken from what was delivered, tag and all.
+    app = make_app(store, retry_delay=30.0, max_retry_delay=30.0)
+    job, release_holder = held_key_job(app, journal)
+    tagged: dict[str, Any] = {}
+    current = ["worker"]
+
+    def tag(headers: dict[str, Any] | None = None, **_: Any) -> None:
+        if headers is not None:
+            headers.setdefault("trace_id", current[0])
+
+    def seen(sender: Any = None, task_id: str | None = None, task: Any = None, **_: Any) -> None:
+        if task is not None and task.name == job.name:
+            tagged.setdefault(task_id, set()).add(getattr(task.request, "trace_id", None))
+
+    signals.before_task_publish.connect(tag, weak=False)
+    signals.task_prerun.connect(seen, weak=False)
+    try:
+        with worker(app, concurrency=4):
+            holder = job.delay("holder")
+            wait_for(lambda: bool(journal.get("holder")), what="the holder to start")
+            current[0] = "the sender's"
+            waiter = job.apply_async(("waiter",), countdown=0.05)  # published at once: delivered, gated
+            current[0] = "worker"
+            wait_for(lambda: waiter.id in tagged, what="the waiter's delivery")
+            release_holder.set()  # the wake is published on the worker, where the trace is "worker"
+            assert waiter.get(interval=0.01, timeout=10) == "waiter"
+            assert holder.get(interval=0.01, timeout=10) == "holder"
+    finally:
+        signals.before_task_publish.disconnect(tag)
+        signals.task_prerun.disconnect(seen)
+    assert tagged[waiter.id] == {"the sender's"}
 
 
 # -- retries keep the slot (docs/concepts.md#the-life-of-a-run) ------------------------------------

@@ -15,7 +15,7 @@ import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-from celery import Celery
+from celery import Celery, signals
 from celery.canvas import Signature
 from kombu.utils import json as _kombu_json
 
@@ -140,6 +140,19 @@ def payload_of(task: Any, request: Any) -> bytes | None:
         return delivered
 
     return _encoded_payload(task, request.id, signature)
+
+
+def payload_for_claim(task: Any, request: Any, generation: int) -> bytes | Callable[[], bytes | None] | None:
+    """The delivery as its claim keeps it; for a first delivery, a function the claim calls only
+    when the store has no message of the run (its registration stored the signature it was
+    sent as: docs/concepts.md#the-line).
+
+    Not while a ``before_task_publish`` receiver is connected: it may have changed the message
+    as it was published (a trace id), after the registration stored the signature.
+    """
+    if generation == 0 and not signals.before_task_publish.receivers:
+        return lambda: payload_of(task, request)
+    return payload_of(task, request)
 
 
 def _signature_for(

@@ -45,7 +45,7 @@ from ._payload import (
     WOKEN_AT_HEADER,
     generation_of,
     is_republishing,
-    payload_of,
+    payload_for_claim,
     payload_to_register,
     publish_wakes,
     republishing,
@@ -308,9 +308,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                 self.name,
                 spec,
                 delivery.generation,
-                # Always the delivered request: the registration's signature lacks what Celery
-                # adds at the publish (reply_to, parent and root ids, an absolute expires).
-                payload_of(self, request),
+                payload_for_claim(self, request, delivery.generation),
                 registered_at=sent_at(request),
                 woken_at=woken_at(request),
             )
