@@ -23,6 +23,7 @@ from services import require_server
 
 from singleton_tasks import Store, metrics, store_from_url
 from singleton_tasks.confirms import flush_all_confirms
+from singleton_tasks.outcomes import PAYLOAD_ON_REQUEST, Decision, RunSpec
 from singleton_tasks.runtime import Gatekeeper
 
 REDIS_URL = os.environ.get("SINGLETON_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
@@ -203,3 +204,13 @@ def metrics_registry() -> Iterator[CollectorRegistry]:
     metrics.install(registry)
     yield registry
     metrics._active, metrics._disabled = saved
+
+
+def look_at_runs_never_seen(store: Store) -> None:
+    """Calls about runs ``store`` never saw, each on a key of its own (k1..k5): none writes anything."""
+    asked = store.claim(RunSpec("s", "k1", "r1"), 0, PAYLOAD_ON_REQUEST)
+    assert asked.decision is Decision.PAYLOAD_NEEDED
+    assert not store.confirm("s", "k2", "r2")
+    assert store.park("s", "k3", "r3") == ()
+    assert not store.suspend("s", "k4", "r4", 1, delay=1.0)
+    assert not store.unregister("s", "k5", "r5")

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import uuid
 
-from singleton_tasks.outcomes import PAYLOAD_ON_REQUEST, Decision, RunSpec
+from conftest import look_at_runs_never_seen
+
+from singleton_tasks.outcomes import Decision, RunSpec
 from singleton_tasks.stores.memory import MemoryStore
 from singleton_tasks.testing import StoreContract
 
@@ -17,12 +19,7 @@ def test_the_memory_store_keeps_no_key_a_call_wrote_nothing_to() -> None:
     """Calls about runs the store never saw write nothing: no key is left behind (one that never
     held a run is never idle, so never forgotten). The SQL stores' twin is in test_sql_stores.py."""
     store = MemoryStore(f"memory://{uuid.uuid4().hex}")
-    asked = store.claim(RunSpec("s", "k1", "r1"), 0, PAYLOAD_ON_REQUEST)
-    assert asked.decision is Decision.PAYLOAD_NEEDED
-    assert not store.confirm("s", "k2", "r2")
-    assert store.park("s", "k3", "r3") == ()
-    assert not store.suspend("s", "k4", "r4", 1, delay=1.0)
-    assert not store.unregister("s", "k5", "r5")
+    look_at_runs_never_seen(store)
     server = store._server
     assert list(server.keys) == []
     assert store.claim(RunSpec("s", "k1", "r1"), 0, b"r1").decision is Decision.ADMITTED  # the claim again

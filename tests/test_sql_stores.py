@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import POSTGRES_URL, backend_params, require_server
+from conftest import POSTGRES_URL, backend_params, look_at_runs_never_seen, require_server
 
 from singleton_tasks import Store, store_from_url
 from singleton_tasks.errors import SingletonConfigError, StoreUnavailableError
-from singleton_tasks.outcomes import PAYLOAD_ON_REQUEST, Decision, HolderRef, RunSpec
+from singleton_tasks.outcomes import Decision, HolderRef, RunSpec
 from singleton_tasks.stores._sql import SQLStore
 from singleton_tasks.stores.sqlite import sqlite_path
 from singleton_tasks.testing import ManualClock, at
@@ -178,12 +178,7 @@ def test_a_call_that_writes_nothing_leaves_no_key_row(make_store: Callable[..., 
     """Calls about runs the store never saw write nothing: no key row is left behind (a row that
     never held a run is never idle, so no sweep would ever remove it)."""
     store = at(make_store(retention=100.0), 1000.0)
-    asked = store.claim(RunSpec("s", "k1", "r1"), 0, PAYLOAD_ON_REQUEST)
-    assert asked.decision is Decision.PAYLOAD_NEEDED
-    assert not store.confirm("s", "k2", "r2")
-    assert store.park("s", "k3", "r3") == ()
-    assert not store.suspend("s", "k4", "r4", 1, delay=1.0)
-    assert not store.unregister("s", "k5", "r5")
+    look_at_runs_never_seen(store)
     assert _rows(store, sql_url) == (0, 0)
     assert store.claim(RunSpec("s", "k1", "r1"), 0, b"r1").decision is Decision.ADMITTED  # the claim again
     assert _rows(store, sql_url) == (1, 0)
