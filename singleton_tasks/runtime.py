@@ -57,6 +57,11 @@ _SPEC_CACHE_SIZE = 1024
 #: The message option (Dramatiq) or header (Celery) in which a copy the library published
 #: carries its generation; a copy without it is a new delivery of its run.
 GENERATION_FIELD = "singleton_gen"
+#: The message option (Dramatiq) or header (Celery) a producer sets when the payload its
+#: registration stored is the very message it publishes: the first delivery of such a message
+#: claims without sending it (``PAYLOAD_ON_REQUEST``). The producer decides, since only its own
+#: middleware or publish receivers can change the message after the registration.
+AS_STORED_FIELD = "singleton_as_stored"
 
 
 @dataclass(frozen=True)

@@ -525,6 +525,42 @@ def test_a_woken_run_is_published_with_what_its_send_gave_it(store: Store, journ
         assert abs((expires_at - sent_at).total_seconds() - 120) < 0.5, (label, expires_at, sent_at)
 
 
+@pytest.mark.slow  # an in-process Celery worker takes about a second to stop
+def test_a_run_deferred_again_and_again_keeps_no_parent(store: Store, journal: Journal) -> None:
+    # Each deferral is published by the delivery it defers, inside its own before_start: Celery's
+    # send_task would make the run its own parent, and its wake would carry that too.
+    app = make_app(store)
+    gate_open = threading.Event()
+    parents: dict[str, Any] = {}
+    deliveries: list[str] = []
+
+    @app.task(base=SingletonTask, singleton={"key": "k"}, name=unique(), shared=False, bind=True)
+    def job(self: Any, label: str) -> str:
+        with journal.body(label, "k"):
+            if label == "holder":
+                assert gate_open.wait(10)
+        parents[label] = self.request.parent_id
+        return label
+
+    def delivered(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
+        if sender is not None and sender.name == job.name:
+            deliveries.append(task_id or "")
+
+    signals.task_prerun.connect(delivered, weak=False)
+    try:
+        with worker(app, concurrency=4):
+            holder = job.delay("holder")
+            wait_for(lambda: bool(journal.get("holder")), what="the holder to start")
+            waiter = job.apply_async(("waiter",), countdown=0.05)  # published at once: delivered, deferred
+            wait_for(lambda: deliveries.count(waiter.id) >= 3, what="the waiter's deferred copies")
+            gate_open.set()
+            assert waiter.get(interval=0.01, timeout=10) == "waiter"
+            assert holder.get(interval=0.01, timeout=10) == "holder"
+    finally:
+        signals.task_prerun.disconnect(delivered)
+    assert parents == {"holder": None, "waiter": None}
+
+
 class _ClaimRecorder(MemoryStore):
     """A real memory store that records what each claim was given as its payload."""
 
@@ -541,30 +577,43 @@ class _ClaimRecorder(MemoryStore):
 
 @pytest.mark.slow  # an in-process Celery worker takes about a second to stop
 def test_a_first_delivery_claims_without_encoding_its_message(journal: Journal) -> None:
-    # Its registration stored the signature it was sent as: the claim asks for the delivered
-    # message only if the store has none (app.send_task registers nothing).
+    # Its registration stored the signature it was sent as, and its producer marked it so: the
+    # claim asks for the delivered message only if the store has none. app.send_task registers
+    # nothing and marks nothing.
     store = _ClaimRecorder(f"memory://{unique()}")
     app = make_app(store)
+    app.conf.task_inherit_parent_priority = True
     job, release_holder = held_key_job(app, journal)
     release_holder.set()
+
+    @app.task(name=unique(), shared=False)
+    def sender() -> str:
+        return str(job.delay("from a body").id)  # given its parent's priority by the publish
+
     with worker(app, concurrency=2):
         sent = job.delay("sent")
         assert sent.get(interval=0.01, timeout=10) == "sent"
         unregistered = app.send_task(job.name, ("unregistered",))
         assert unregistered.get(interval=0.01, timeout=10) == "unregistered"
-    assert [(g, p) for r, g, p in store.claimed if r == sent.id] == [(0, PAYLOAD_ON_REQUEST)]
-    asked = [
-        (g, p if p is PAYLOAD_ON_REQUEST else type(p)) for r, g, p in store.claimed if r == unregistered.id
-    ]
-    assert asked == [(0, PAYLOAD_ON_REQUEST), (0, bytes)]
+        from_body = AsyncResult(sender.delay().get(interval=0.01, timeout=10), app=app)
+        assert from_body.get(interval=0.01, timeout=10) == "from a body"
+
+    def asked(run_id: str) -> list[tuple[int, object]]:
+        return [(g, p if p is PAYLOAD_ON_REQUEST else type(p)) for r, g, p in store.claimed if r == run_id]
+
+    assert asked(sent.id) == [(0, PAYLOAD_ON_REQUEST)]
+    assert asked(unregistered.id) == [(0, bytes)]  # not marked by its producer: claimed with its message
+    assert asked(from_body.id) == [(0, bytes)]  # its stored signature lacks the inherited priority
 
 
 @pytest.mark.slow  # an in-process Celery worker takes about a second to stop
+@pytest.mark.parametrize("connected", ["everywhere", "in the producer only"])
 def test_a_woken_run_keeps_what_a_publish_receiver_added_to_its_message(
-    store: Store, journal: Journal
+    store: Store, journal: Journal, connected: str
 ) -> None:
     # A before_task_publish receiver tags the message as it is sent, after the registration stored
-    # its signature: a waiter delivered and gated is woken from what was delivered, tag and all.
+    # its signature: a waiter delivered and gated is woken from what was delivered, tag and all,
+    # also when the worker has no such receiver (the producer is the one to know).
     app = make_app(store, retry_delay=30.0, max_retry_delay=30.0)
     job, release_holder = held_key_job(app, journal)
     tagged: dict[str, Any] = {}
@@ -587,6 +636,8 @@ def test_a_woken_run_keeps_what_a_publish_receiver_added_to_its_message(
             current[0] = "the sender's"
             waiter = job.apply_async(("waiter",), countdown=0.05)  # published at once: delivered, gated
             current[0] = "worker"
+            if connected == "in the producer only":
+                signals.before_task_publish.disconnect(tag)
             wait_for(lambda: waiter.id in tagged, what="the waiter's delivery")
             release_holder.set()  # the wake is published on the worker, where the trace is "worker"
             assert waiter.get(interval=0.01, timeout=10) == "waiter"

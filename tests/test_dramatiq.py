@@ -436,20 +436,31 @@ class _Tracer(dramatiq.Middleware):
 
     def __init__(self) -> None:
         self.current = "worker"
-        self.seen: dict[str, set[str]] = {}
 
     def before_enqueue(self, broker: dramatiq.Broker, message: Any, delay: int) -> None:
         message.options.setdefault("trace_id", self.current)
+
+
+class _Observer(dramatiq.Middleware):
+    """Records the trace id of every delivery that gets past SingletonMiddleware (it tags nothing)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, set[str]] = {}
 
     def before_process_message(self, broker: dramatiq.Broker, message: Any) -> None:
         self.seen.setdefault(message.message_id, set()).add(message.options.get("trace_id"))
 
 
-def test_a_woken_run_keeps_what_a_later_middleware_added_to_its_message(make_env: Callable[..., Env]) -> None:
+@pytest.mark.parametrize("connected", ["everywhere", "in the producer only"])
+def test_a_woken_run_keeps_what_a_later_middleware_added_to_its_message(
+    make_env: Callable[..., Env], connected: str
+) -> None:
     # The registration stores the message before a later middleware's before_enqueue tags it:
-    # the wake must publish the message as it was sent, not as it was registered.
+    # the wake must publish the message as it was sent, not as it was registered, also when the
+    # worker's broker has no such middleware (the producer is the one to know).
     env = make_env(retry_delay=30.0, retry_jitter=0.0)
-    tracer = _Tracer()
+    tracer, observer = _Tracer(), _Observer()
+    env.broker.add_middleware(observer)
     env.broker.add_middleware(tracer)  # after SingletonMiddleware
     job = env.job()
     env.start()
@@ -459,10 +470,12 @@ def test_a_woken_run_keeps_what_a_later_middleware_added_to_its_message(make_env
     tracer.current = "the sender's"
     waiter = job.send("K", "waiter")
     tracer.current = "worker"
+    if connected == "in the producer only":
+        env.broker.middleware.remove(tracer)  # from here on, the worker's broker
     env.journal.wait(lambda: env.gated(waiter.message_id))
     env.let_go("holder")  # the wake is published on the worker, where the trace is "worker"
     env.journal.wait(lambda: env.journal.finished("waiter"))
-    assert tracer.seen[waiter.message_id] == {"the sender's"}
+    assert observer.seen[waiter.message_id] == {"the sender's"}  # the woken delivery: it ran
 
 
 def test_woken_copy_and_delayed_copy_run_the_body_once(make_env: Callable[..., Env]) -> None:

@@ -5,9 +5,9 @@ when an upgrade changes one of them. Each is needed because Celery offers no pub
 
 1. ``celery._state``: ``get_current_worker_task`` (the task the worker runs now, to tell a chain
    step it publishes from a user's call, and to store a run sent from a body with the parent
-   and root ids Celery's publish gives it), ``push_current_task``/``pop_current_task`` (this
-   thread's stack of running tasks: hidden while a wake is published for another sender, or
-   ``send_task`` would make the releasing run its parent), ``_get_active_apps`` and
+   and root ids Celery's publish gives it), ``_task_stack`` (this thread's stack of running
+   tasks: hidden while a wake or a deferral is published for another sender, or ``send_task``
+   would make the running task its parent), ``_get_active_apps`` and
    ``connect_on_app_finalize`` (a ``@shared_task`` exists once per app, created when each app
    is finalized).
 2. ``Celery._task_from_fun`` (an app's method that makes every task from a function, for
@@ -47,11 +47,10 @@ from typing import Any
 from celery import Celery
 from celery._state import (
     _get_active_apps,
+    _task_stack,
     connect_on_app_finalize,
     get_current_task,
     get_current_worker_task,
-    pop_current_task,
-    push_current_task,
 )
 
 __all__ = [
@@ -84,13 +83,15 @@ def current_worker_task() -> Any:
 def outside_running_tasks() -> Iterator[None]:
     """This thread's running tasks hidden inside: a publish there has no parent task (1.)."""
     hidden = []
-    while get_current_task() is not None:
-        hidden.append(pop_current_task())
     try:
+        while get_current_task() is not None:
+            # Looked up at each call: with USE_FAST_LOCALS the stack's pop and push are bound
+            # to the calling thread's list.
+            hidden.append(_task_stack.pop())
         yield
     finally:
         for task in reversed(hidden):
-            push_current_task(task)
+            _task_stack.push(task)
 
 
 def active_apps() -> list[Celery]:

@@ -22,7 +22,7 @@ from kombu.utils import json as _kombu_json
 from .. import clock
 from ..errors import SingletonPayloadError
 from ..outcomes import Wake
-from ..runtime import GENERATION_FIELD
+from ..runtime import AS_STORED_FIELD, GENERATION_FIELD
 from ._internals import current_worker_task, outside_running_tasks
 
 logger = logging.getLogger("singleton_tasks")
@@ -33,6 +33,8 @@ GENERATION_HEADER = GENERATION_FIELD
 WOKEN_AT_HEADER = "singleton_woken_at"
 #: When the run was sent (the wait-time metric); its deferrals, wakes and retries keep it.
 SENT_AT_HEADER = "singleton_sent_at"
+#: Set by the producer on a run whose stored signature is the message it publishes (see runtime).
+AS_STORED_HEADER = AS_STORED_FIELD
 
 _json: Any = _kombu_json  # kombu is untyped; its JSON carries datetimes, UUIDs, Decimals
 
@@ -85,6 +87,19 @@ def sent_at(request: Any) -> float | None:
 def with_sent_at(options: Mapping[str, Any]) -> dict[str, Any]:
     """``options`` with the send time among their headers, as Dramatiq's messages carry theirs."""
     return {**options, "headers": {**(options.get("headers") or {}), SENT_AT_HEADER: clock.now()}}
+
+
+def marked_as_stored(task: Any, options: dict[str, Any], payload: bytes | None) -> dict[str, Any]:
+    """``options`` marked as the message the registration stored (``payload``), unless a
+    ``before_task_publish`` receiver of this process may change it as it is published (a
+    trace id), or the publish gives it its parent's priority (``task_inherit_parent_priority``):
+    a first delivery so marked claims without encoding itself."""
+    if payload is None or signals.before_task_publish.receivers:
+        return options
+    if task._get_app().conf.task_inherit_parent_priority and current_worker_task() is not None:
+        return options
+    options["headers"] = {**options["headers"], AS_STORED_HEADER: 1}
+    return options
 
 
 def _epoch_header(request: Any, name: str) -> float | None:
@@ -143,14 +158,11 @@ def payload_of(task: Any, request: Any) -> bytes | None:
 
 
 def payload_for_claim(task: Any, request: Any, generation: int) -> bytes | Callable[[], bytes | None] | None:
-    """The delivery as its claim keeps it; for a first delivery, a function the claim calls only
-    when the store has no message of the run (its registration stored the signature it was
-    sent as: docs/concepts.md#the-line).
-
-    Not while a ``before_task_publish`` receiver is connected: it may have changed the message
-    as it was published (a trace id), after the registration stored the signature.
-    """
-    if generation == 0 and not signals.before_task_publish.receivers:
+    """The delivery as its claim keeps it; for a first delivery its producer marked (the
+    signature its registration stored is this message: docs/concepts.md#the-line), a function
+    the claim calls only when the store has no message of the run. A retry is not marked so
+    (its retry count moved on)."""
+    if generation == 0 and not request.retries and _header(request, AS_STORED_HEADER):
         return lambda: payload_of(task, request)
     return payload_of(task, request)
 

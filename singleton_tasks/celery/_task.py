@@ -39,12 +39,14 @@ from ._internals import (
     is_tracer_call,
     mark_tracer_call,
     option_chosen_by_class,
+    outside_running_tasks,
 )
 from ._payload import (
     GENERATION_HEADER,
     WOKEN_AT_HEADER,
     generation_of,
     is_republishing,
+    marked_as_stored,
     payload_for_claim,
     payload_to_register,
     publish_wakes,
@@ -180,6 +182,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             # A chain step accepted with its chain: never fail the parent over the cap or an outage.
             spec = dataclasses.replace(spec, max_queue_depth=None)
         payload = payload_to_register(self, run_id, args, kwargs, link, link_error, shadow, options)
+        options = marked_as_stored(self, options, payload)
         outcome = self._register_unconfirmed(
             gatekeeper, bound, spec, dispatch=dispatch, payload=payload, delay=delay_of(options)
         )
@@ -344,7 +347,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         )
         signature.options.pop("redelivered", None)
         try:
-            with republishing():
+            with republishing(), outside_running_tasks():  # its own parent, not the run itself
                 signature.apply_async()
         except Exception as exc:
             logger.exception("could not defer %s run %s", self.name, request.id)

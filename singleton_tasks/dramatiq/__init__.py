@@ -78,7 +78,7 @@ from ._internals import (
     on_consumer_thread,
     return_dropped_sends,
 )
-from ._payload import DEAD_GENERATION, GENERATION, WOKEN_AT, generation_of, wake_message
+from ._payload import AS_STORED, DEAD_GENERATION, GENERATION, WOKEN_AT, generation_of, wake_message
 
 if TYPE_CHECKING:
     import contextvars
@@ -281,6 +281,8 @@ class SingletonMiddleware(dramatiq.Middleware):
             message.options[GENERATION] = DEAD_GENERATION
             return
         message.options[GENERATION] = 0
+        if self._stores_what_is_sent(broker):
+            message.options[AS_STORED] = True
         self._local.pending = (message.message_id, spec)
 
     def after_enqueue(self, broker: Broker, message: Message[Any], delay: int) -> None:
@@ -329,10 +331,10 @@ class SingletonMiddleware(dramatiq.Middleware):
             message.fail()
             raise KeyFailed(str(error)) from error
         delivery.spec = spec
-        # The proxied message as is (copy() would only cost a replace()). A first delivery is the
-        # message its registration stored (unless a later middleware changed it as it was sent):
-        # encoded only if the store has none.
-        lazy = generation == 0 and self._stores_what_is_sent(broker)
+        # The proxied message as is (copy() would only cost a replace()). A first delivery that
+        # its producer marked is the message its registration stored: encoded only if the store
+        # has none. A retry is not (its retry count moved on).
+        lazy = generation == 0 and AS_STORED in message.options and not message.options.get("retries")
         payload = message.encode if lazy else message.encode()
         try:
             outcome = self.gatekeeper.claim(
@@ -370,8 +372,8 @@ class SingletonMiddleware(dramatiq.Middleware):
 
     def _stores_what_is_sent(self, broker: Broker) -> bool:
         """Whether the message a registration stores (encoded in this before_enqueue) is the one the
-        broker publishes: no middleware after this one has a before_enqueue of its own, which
-        could add options (a trace id) that a wake of the stored message would lack."""
+        broker publishes: no middleware after this one, in this producer, has a before_enqueue of
+        its own, which could add options (a trace id) that a wake of the stored message would lack."""
         middleware = broker.middleware
         known = self._sent_as_stored
         if known is not None and known[0] is middleware and known[1] == len(middleware):

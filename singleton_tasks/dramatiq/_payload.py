@@ -14,7 +14,7 @@ import dramatiq
 
 from .. import clock
 from ..outcomes import Wake
-from ..runtime import GENERATION_FIELD
+from ..runtime import AS_STORED_FIELD, GENERATION_FIELD
 from ._internals import immediate_copy, priority_options
 
 if TYPE_CHECKING:
@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 GENERATION = GENERATION_FIELD
 #: When a wake copy was published (the handoff-latency metric).
 WOKEN_AT = "singleton_woken_at"
+#: Set by the producer on a message its registration stored as it is published (see runtime).
+AS_STORED = AS_STORED_FIELD
 #: Generation put on a duplicate start of a registered run id: never live, so the copy is dropped.
 DEAD_GENERATION = -1
 
