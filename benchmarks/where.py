@@ -131,36 +131,36 @@ class ServerTime:
         )
 
 
-def _dramatiq_noop(broker: str, variant: str, n: int) -> None:
+def _dramatiq_noop(broker: str, variant: str, n: int, measure: _Measure) -> None:
     from .dramatiq_cases import cleanup, make_rig, send_all, worker
 
     rig = make_rig(broker, variant, n)
     try:
         send_all(rig, n)
-        _Measure.current.start()
+        measure.start()
         with worker(rig):
             if not rig.recorder.done.wait(300):
                 raise RuntimeError(f"only {len(rig.recorder.spans)}/{n} runs ran")
-        _Measure.current.stop()
+        measure.stop()
     finally:
         cleanup(rig)
 
 
-def _dramatiq_send(broker: str, variant: str, n: int) -> None:
+def _dramatiq_send(broker: str, variant: str, n: int, measure: _Measure) -> None:
     from .common import timed_sends
     from .dramatiq_cases import cleanup, flush_confirms, make_rig
 
     rig = make_rig(broker, "plain" if variant == "floor" else variant, n)
     try:
         rig.actor.send(-1)
-        _Measure.current.start()
+        measure.start()
         timed_sends(n, rig.actor.send, lambda: flush_confirms(rig), floor=variant == "floor")
-        _Measure.current.stop()
+        measure.stop()
     finally:
         cleanup(rig)
 
 
-def _celery_noop(broker: str, variant: str, n: int) -> None:
+def _celery_noop(broker: str, variant: str, n: int, measure: _Measure) -> None:
     from . import celery_cases
 
     floor = variant == "floor"
@@ -168,16 +168,16 @@ def _celery_noop(broker: str, variant: str, n: int) -> None:
     rig = celery_cases.Rig(broker, variant, n, key=None, body=0.0, acks_late=floor, floor=floor)
     try:
         rig.send(n)
-        _Measure.current.start()
+        measure.start()
         with celery_cases._worker(rig):
             if not rig.recorder.done.wait(300):
                 raise RuntimeError(f"only {len(rig.recorder.spans)}/{n} runs ran")
-        _Measure.current.stop()
+        measure.stop()
     finally:
         rig.close()
 
 
-def _celery_send(broker: str, variant: str, n: int) -> None:
+def _celery_send(broker: str, variant: str, n: int, measure: _Measure) -> None:
     from singleton_tasks.celery import gatekeeper_for
 
     from . import celery_cases
@@ -191,17 +191,15 @@ def _celery_send(broker: str, variant: str, n: int) -> None:
             raise RuntimeError("the confirms were not sent within 60 s")
 
     try:
-        _Measure.current.start()
+        measure.start()
         timed_sends(n, rig.task.delay, flush, floor=floor)
-        _Measure.current.stop()
+        measure.stop()
     finally:
         rig.close()
 
 
 class _Measure:
     """Process CPU and the store server's time across what ``start``/``stop`` enclose."""
-
-    current: _Measure
 
     def __init__(self, server: ServerTime, timers: Timers) -> None:
         self.server = server
@@ -226,7 +224,7 @@ class _Measure:
         self.script_calls = calls - self._server0[2]
 
 
-CASES: dict[tuple[str, str], Callable[[str, str, int], None]] = {
+CASES: dict[tuple[str, str], Callable[[str, str, int, _Measure], None]] = {
     ("dramatiq", "noop"): _dramatiq_noop,
     ("dramatiq", "send"): _dramatiq_send,
     ("celery", "noop"): _celery_noop,
@@ -251,9 +249,9 @@ def main(path: str, framework: str, broker: str, n: int, rounds: int) -> None:
     for _ in range(rounds):
         for variant in ("floor", "singleton"):
             timers = Timers()
-            measure = _Measure.current = _Measure(server, timers)
+            measure = _Measure(server, timers)
             with timed_parts(parts[variant], timers):
-                case(broker, variant, n)
+                case(broker, variant, n, measure)
             per_run[f"{variant}: process CPU"].append(measure.process / n * 1e6)
             per_run[f"{variant}: store server CPU"].append(measure.server_cpu / n * 1e6)
             scripts = f"{variant}: store scripts' execution (FCALL)"

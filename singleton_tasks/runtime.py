@@ -64,6 +64,12 @@ GENERATION_FIELD = "singleton_gen"
 AS_STORED_FIELD = "singleton_as_stored"
 
 
+def claims_as_stored(generation: int, marked: bool, retries: int) -> bool:
+    """Whether a delivery may claim with ``PAYLOAD_ON_REQUEST``: a first delivery (generation 0)
+    its producer marked (``AS_STORED_FIELD``), not a retry (its retry count moved on)."""
+    return generation == 0 and marked and not retries
+
+
 @dataclass(frozen=True)
 class WorkerOptions:
     """Worker-side timings, in seconds (docs/concepts.md#declaring-a-singleton)."""

@@ -22,7 +22,7 @@ from kombu.utils import json as _kombu_json
 from .. import clock
 from ..errors import SingletonPayloadError
 from ..outcomes import Wake
-from ..runtime import AS_STORED_FIELD, GENERATION_FIELD
+from ..runtime import AS_STORED_FIELD, GENERATION_FIELD, claims_as_stored
 from ._internals import current_worker_task, outside_running_tasks
 
 logger = logging.getLogger("singleton_tasks")
@@ -158,11 +158,9 @@ def payload_of(task: Any, request: Any) -> bytes | None:
 
 
 def payload_for_claim(task: Any, request: Any, generation: int) -> bytes | Callable[[], bytes | None] | None:
-    """The delivery as its claim keeps it; for a first delivery its producer marked (the
-    signature its registration stored is this message: docs/concepts.md#the-line), a function
-    the claim calls only when the store has no message of the run. A retry is not marked so
-    (its retry count moved on)."""
-    if generation == 0 and not request.retries and _header(request, AS_STORED_HEADER):
+    """The delivery as its claim keeps it; for the message its registration stored
+    (docs/concepts.md#the-line), a function the claim calls only when the store has none."""
+    if claims_as_stored(generation, bool(_header(request, AS_STORED_HEADER)), request.retries or 0):
         return lambda: payload_of(task, request)
     return payload_of(task, request)
 

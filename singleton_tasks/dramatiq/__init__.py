@@ -46,7 +46,7 @@ from ..config import (
 )
 from ..decorator import TaskDescription, register_describer
 from ..outcomes import Decision, Registered, RunSpec, Wake
-from ..runtime import Gatekeeper
+from ..runtime import Gatekeeper, claims_as_stored
 from ..stores import Store, redact_url
 from ._declaration import (
     OPTION,
@@ -331,10 +331,9 @@ class SingletonMiddleware(dramatiq.Middleware):
             message.fail()
             raise KeyFailed(str(error)) from error
         delivery.spec = spec
-        # The proxied message as is (copy() would only cost a replace()). A first delivery that
-        # its producer marked is the message its registration stored: encoded only if the store
-        # has none. A retry is not (its retry count moved on).
-        lazy = generation == 0 and AS_STORED in message.options and not message.options.get("retries")
+        # The proxied message as is (copy() would only cost a replace()); encoded only if the
+        # store has none when it is the message its registration stored.
+        lazy = claims_as_stored(generation, AS_STORED in message.options, message.options.get("retries", 0))
         payload = message.encode if lazy else message.encode()
         try:
             outcome = self.gatekeeper.claim(
