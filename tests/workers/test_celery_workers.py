@@ -130,6 +130,20 @@ class Workers:
             from singleton_tasks.celery import gatekeeper_for
 
             gatekeeper_for(self.app).close()
+        self._close_connections()
+
+    def _close_connections(self) -> None:
+        """Close the result backend's sockets: left to the garbage collector, each warns (and
+        fails the test that happens to be running then). The broker connections are kombu's
+        process-wide pool's, shared with the next module's app: not closed here."""
+        backend = self.app.backend
+        with contextlib.suppress(Exception):
+            backend.result_consumer.stop()  # the Redis backend's pubsub, the rpc backend's consumer
+        client = getattr(backend, "client", None)
+        if client is not None:
+            client.connection_pool.disconnect()
+        self.app.close()
+        self.log.close()
 
     def runs(self, key: str | None = None) -> list[dict[str, Any]]:
         """Finished attempts (of one key), in the order they were logged."""
