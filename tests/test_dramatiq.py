@@ -478,6 +478,30 @@ def test_a_woken_run_keeps_what_a_later_middleware_added_to_its_message(
     assert observer.seen[waiter.message_id] == {"the sender's"}  # the woken delivery: it ran
 
 
+def test_a_woken_run_keeps_what_the_workers_middleware_added_when_it_left_the_delay_queue(
+    make_env: Callable[..., Env],
+) -> None:
+    # A message sent with a delay is moved to its queue by the worker's consumer thread, through
+    # the worker's middleware: what a later middleware adds there is not in the message the
+    # producer's registration stored, so its wake must publish the delivered message.
+    env = make_env(retry_delay=30.0, retry_jitter=0.0)
+    tracer, observer = _Tracer(), _Observer()
+    env.broker.add_middleware(observer)
+    job = env.job()
+    env.start()
+    env.hold("holder")
+    job.send("K", "holder")
+    env.journal.wait(lambda: env.journal.started() == ["holder"])
+    waiter = job.send_with_options(args=("K", "waiter"), delay=200)  # no tracer in the producer
+    tracer.current = "moved"
+    env.broker.add_middleware(tracer)  # the worker's, after SingletonMiddleware
+    env.journal.wait(lambda: env.gated(waiter.message_id))
+    tracer.current = "worker"
+    env.let_go("holder")
+    env.journal.wait(lambda: env.journal.finished("waiter"))
+    assert observer.seen[waiter.message_id] == {"moved"}  # the woken delivery: it ran
+
+
 def test_woken_copy_and_delayed_copy_run_the_body_once(make_env: Callable[..., Env]) -> None:
     env = make_env(retry_delay=0.3, retry_jitter=0.0)
     job = env.job()
