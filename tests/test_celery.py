@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import itertools
 import logging
 import os
@@ -606,28 +607,66 @@ def test_a_first_delivery_claims_without_encoding_its_message(journal: Journal) 
     assert asked(from_body.id) == [(0, bytes)]  # its stored signature lacks the inherited priority
 
 
+class _PublishReceiver:
+    """Tags each message as it is sent, from a ``before_task_publish`` receiver."""
+
+    def __init__(self, current: list[str]) -> None:
+        self.current = current
+
+    def tag(self, headers: dict[str, Any] | None = None, **_: Any) -> None:
+        if headers is not None:
+            headers.setdefault("trace_id", self.current[0])
+
+    def connect(self) -> None:
+        signals.before_task_publish.connect(self.tag, weak=False)
+
+    def disconnect(self) -> None:
+        signals.before_task_publish.disconnect(self.tag)
+
+
+class _SendTaskWrapper:
+    """Tags each message as it is sent, by wrapping ``Celery.send_task`` as sentry-sdk's Celery
+    integration does (``functools.wraps``, headers added to the call's options)."""
+
+    def __init__(self, current: list[str]) -> None:
+        self.current = current
+        self.original = Celery.send_task
+
+    def connect(self) -> None:
+        original, current = self.original, self.current
+
+        @functools.wraps(original)
+        def send_task(app: Celery, *args: Any, **options: Any) -> Any:
+            options["headers"] = {"trace_id": current[0], **(options.get("headers") or {})}
+            return original(app, *args, **options)
+
+        Celery.send_task = send_task  # type: ignore[method-assign]
+
+    def disconnect(self) -> None:
+        Celery.send_task = self.original  # type: ignore[method-assign]
+
+
 @pytest.mark.slow  # an in-process Celery worker takes about a second to stop
 @pytest.mark.parametrize("connected", ["everywhere", "in the producer only"])
-def test_a_woken_run_keeps_what_a_publish_receiver_added_to_its_message(
-    store: Store, journal: Journal, connected: str
+@pytest.mark.parametrize("tagger", [_PublishReceiver, _SendTaskWrapper], ids=["receiver", "wrapped"])
+def test_a_woken_run_keeps_what_a_publish_hook_added_to_its_message(
+    store: Store, journal: Journal, connected: str, tagger: type[_PublishReceiver | _SendTaskWrapper]
 ) -> None:
-    # A before_task_publish receiver tags the message as it is sent, after the registration stored
-    # its signature: a waiter delivered and gated is woken from what was delivered, tag and all,
-    # also when the worker has no such receiver (the producer is the one to know).
+    # A before_task_publish receiver, or a wrapper of send_task (a tracing integration), tags the
+    # message as it is sent, after the registration stored its signature: a waiter delivered and
+    # gated is woken from what was delivered, tag and all, also when the worker has no such hook
+    # (the producer is the one to know).
     app = make_app(store, retry_delay=30.0, max_retry_delay=30.0)
     job, release_holder = held_key_job(app, journal)
     tagged: dict[str, Any] = {}
     current = ["worker"]
-
-    def tag(headers: dict[str, Any] | None = None, **_: Any) -> None:
-        if headers is not None:
-            headers.setdefault("trace_id", current[0])
+    hook = tagger(current)
 
     def seen(sender: Any = None, task_id: str | None = None, task: Any = None, **_: Any) -> None:
         if task is not None and task.name == job.name:
             tagged.setdefault(task_id, set()).add(getattr(task.request, "trace_id", None))
 
-    signals.before_task_publish.connect(tag, weak=False)
+    hook.connect()
     signals.task_prerun.connect(seen, weak=False)
     try:
         with worker(app, concurrency=4):
@@ -637,13 +676,13 @@ def test_a_woken_run_keeps_what_a_publish_receiver_added_to_its_message(
             waiter = job.apply_async(("waiter",), countdown=0.05)  # published at once: delivered, gated
             current[0] = "worker"
             if connected == "in the producer only":
-                signals.before_task_publish.disconnect(tag)
+                hook.disconnect()
             wait_for(lambda: waiter.id in tagged, what="the waiter's delivery")
             release_holder.set()  # the wake is published on the worker, where the trace is "worker"
             assert waiter.get(interval=0.01, timeout=10) == "waiter"
             assert holder.get(interval=0.01, timeout=10) == "holder"
     finally:
-        signals.before_task_publish.disconnect(tag)
+        hook.disconnect()
         signals.task_prerun.disconnect(seen)
     assert tagged[waiter.id] == {"the sender's"}
 

@@ -15,8 +15,9 @@ import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-from celery import Celery, signals
+from celery import Celery, Task, signals
 from celery.canvas import Signature
+from celery.utils.nodenames import anon_nodename
 from kombu.utils import json as _kombu_json
 
 from .. import clock
@@ -91,15 +92,22 @@ def with_sent_at(options: Mapping[str, Any]) -> dict[str, Any]:
 
 def marked_as_stored(task: Any, options: dict[str, Any], payload: bytes | None) -> dict[str, Any]:
     """``options`` marked as the message the registration stored (``payload``), unless a
-    ``before_task_publish`` receiver of this process may change it as it is published (a
-    trace id), or the publish gives it its parent's priority (``task_inherit_parent_priority``):
-    a first delivery so marked claims without encoding itself."""
-    if payload is None or signals.before_task_publish.receivers:
+    ``before_task_publish`` receiver or a wrapper of Celery's publish (sentry-sdk's) in this
+    process may change it as it is published (a trace id), or the publish gives it its
+    parent's priority (``task_inherit_parent_priority``): a first delivery so marked claims
+    without encoding itself."""
+    if payload is None or signals.before_task_publish.receivers or _publish_is_wrapped():
         return options
     if task._get_app().conf.task_inherit_parent_priority and current_worker_task() is not None:
         return options
     options["headers"] = {**options["headers"], AS_STORED_HEADER: 1}
     return options
+
+
+def _publish_is_wrapped() -> bool:
+    """Whether a ``functools.wraps`` wrapper replaced ``Task.apply_async`` or ``Celery.send_task``
+    (a tracing integration's: sentry-sdk adds its trace headers there)."""
+    return hasattr(Task.apply_async, "__wrapped__") or hasattr(Celery.send_task, "__wrapped__")
 
 
 def _epoch_header(request: Any, name: str) -> float | None:
@@ -188,13 +196,15 @@ def _added_at_the_publish(task: Any, options: Mapping[str, Any]) -> dict[str, An
 
     A copy published later from the stored signature (a wake, a re-issue) is published by
     another process: left to ``send_task`` there, its result would go to the waker's reply
-    queue (``rpc://``), its parent would be the run that released the key, and a relative
-    ``expires`` would count from the wake.
+    queue (``rpc://``), its parent would be the run that released the key, its origin the
+    waker's node, and a relative ``expires`` would count from the wake.
     """
     app = task._get_app()
     added: dict[str, Any] = {}
     if not options.get("reply_to"):
         added["reply_to"] = app.thread_oid
+    if not options.get("origin"):
+        added["origin"] = anon_nodename()  # what as_task_v2 names a sender by
     parent = current_worker_task()
     if parent is not None:
         if not options.get("root_id"):

@@ -98,6 +98,7 @@ def build(config: AppConfig) -> Celery:
             "gen": (request.headers or {}).get(GENERATION_HEADER, 0),
             "args": json.loads(json.dumps(list(request.args or ()), default=str)),
             "redelivered": bool((request.delivery_info or {}).get("redelivered")),
+            "origin": request.origin,
             "pid": os.getpid(),
             "at": time.time(),
         }

@@ -25,6 +25,7 @@ import redis
 from celery import chain, group
 from celery.exceptions import WorkerLostError
 from celery.result import AsyncResult
+from celery.utils.nodenames import anon_nodename
 from celery_app import AppConfig, build, go_key
 from services import free_port
 from worker_env import (
@@ -574,7 +575,8 @@ def test_an_rpc_result_of_a_woken_run_reaches_its_sender(
     make_workers: Callable[..., Workers], broker: str
 ) -> None:
     """The waiter is published held back and woken by the worker that releases the key, from the
-    signature stored at its send: its ``rpc://`` result goes to this process's reply queue."""
+    signature stored at its send: its ``rpc://`` result goes to this process's reply queue, and
+    it names this process as its origin."""
     workers = make_workers(
         broker, "redis", retry_delay=30.0, app_conf=json.dumps({"result_backend": "rpc://"})
     )
@@ -587,7 +589,9 @@ def test_an_rpc_result_of_a_woken_run_reaches_its_sender(
     workers.go(go)
     assert waiter.get(timeout=25) == "waiter"
     assert holder.get(timeout=5) == "holder"
-    assert len([d for d in workers.deliveries(waiter.id) if d["gen"]]) == 1  # it ran as the woken copy
+    woken = [d for d in workers.deliveries(waiter.id) if d["gen"]]
+    assert len(woken) == 1  # it ran as the woken copy
+    assert woken[0]["origin"] == anon_nodename()  # this process's, as Celery names a sender
 
 
 @pytest.mark.parametrize("broker", brokers())
