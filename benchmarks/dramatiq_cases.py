@@ -759,12 +759,9 @@ def handoff_run(
     body: float,
     worker_timeout: int,
     singleton_options: dict[str, Any] | None = None,
-) -> list[float]:
-    """Handoff latencies (ms): run 0 holds until every other run is gated, then each release hands off.
-
-    Measured from the end of one body to the start of the next: it includes the release
-    round trip, the wake publish, the broker fetch and the next claim.
-    """
+) -> list[Span]:
+    """The bodies of one key, in start order: run 0 holds until every other run is gated, then
+    each release hands off (:func:`handoff_latencies`)."""
     n = handoffs + 1
     hold = threading.Event()
     rig = make_rig(
@@ -788,9 +785,15 @@ def handoff_run(
             spans = rig.recorder.ordered()
         if overlaps(spans):
             raise RuntimeError("handoff: overlapping bodies")
-        return [(b.start - a.end) * 1000 for a, b in itertools.pairwise(spans)]
+        return spans
     finally:
         cleanup(rig)
+
+
+def handoff_latencies(spans: list[Span]) -> list[float]:
+    """Ms from the end of one body to the start of the next: the release round trip, the wake
+    publish, the broker fetch and the next claim."""
+    return [(b.start - a.end) * 1000 for a, b in itertools.pairwise(spans)]
 
 
 def idle_polls(worker_timeout: int, seconds: float = 2.0) -> float | None:
@@ -820,8 +823,12 @@ def idle_polls(worker_timeout: int, seconds: float = 2.0) -> float | None:
     return sum(v for k, v in delta.items() if k in ("evalsha", "eval")) / seconds
 
 
+#: The body of each run of case 3 (s).
+HANDOFF_BODY = 0.02
+
+
 def case_handoff(report: Report, size: Size, kinds: list[str], timeouts: list[int]) -> None:
-    body = 0.02
+    body = HANDOFF_BODY
     idle_seconds = 1.0 if size.name == "small" else 3.0
     if "redis" in kinds:
         case = "3 idle RedisBroker worker: fetch scripts/s (private redis-server)"
@@ -841,7 +848,7 @@ def case_handoff(report: Report, size: Size, kinds: list[str], timeouts: list[in
                 )
     for kind in kinds:
         for wt in timeouts if kind == "redis" else [DEFAULT_WORKER_TIMEOUT]:
-            latencies = handoff_run(kind, size.handoffs, body, wt)
+            latencies = handoff_latencies(handoff_run(kind, size.handoffs, body, wt))
             label = f"worker_timeout={wt} ms" + (" (default)" if wt == DEFAULT_WORKER_TIMEOUT else "")
             case = f"3 handoff ×{size.handoffs} (body {body * 1000:.0f} ms), {BROKERS[kind]}"
             p50, p99 = percentile(latencies, 50), percentile(latencies, 99)

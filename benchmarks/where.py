@@ -1,7 +1,7 @@
 """Where a hot path's time goes: the library's thread CPU per run, part by part, and the store's
 Redis server time per run, beside the same figures for the path's floor.
 
-    python -m benchmarks.where [--path noop|send] [--framework dramatiq|celery]
+    python -m benchmarks.where [--path noop|send|handoff] [--framework dramatiq|celery]
                                [--broker redis|rabbitmq] [-n 2000] [--rounds 3]
 
 The case is that of ``python -m benchmarks`` (``noop``: case 1 or 8, no-op runs on distinct keys
@@ -11,23 +11,30 @@ timer: the parts are inclusive (a store call is also counted in the gatekeeper c
 it) and measured on the thread that runs them, so they add up to what the library costs that
 thread, but not to the process's CPU (the framework's own threads, the broker's client, the
 confirm thread's wake-ups). The timers themselves cost about 1 µs each.
+
+``handoff`` (Dramatiq; case 3 at ``worker_timeout`` 1,000 ms, Dramatiq's default, and the handoff
+inside every same-key burst of case 2) splits each handoff, from one body's end to the next
+body's start, into stages between wall-clock stamps taken on entry to and return from the
+library's calls, beside the bare round trips to the store and the broker that any gate pays.
+``-n`` is the handoffs a round.
 """
 
 from __future__ import annotations
 
 import collections
 import functools
+import itertools
 import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Protocol
 
 import click
 import redis
 
-from .common import STORE_REDIS_URL, quiet_framework_logs
+from .common import STORE_REDIS_URL, percentile, quiet_framework_logs
 
 #: The parts timed, as (owner, attribute, label); an owner is imported when the part is timed.
 PARTS: dict[str, list[tuple[str, str, str]]] = {
@@ -97,8 +104,38 @@ def _owner(path: str) -> Any:
     return getattr(owner, name) if name else owner
 
 
+class Stamps:
+    """Wall-clock moments (``perf_counter``) at which wrapped callables were entered and returned."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[float, str, str]] = []  # (moment, label, "in" | "out")
+        self._lock = threading.Lock()
+
+    def wrap(self, function: Callable[..., Any], label: str) -> Callable[..., Any]:
+        def stamped(*args: Any, **kwargs: Any) -> Any:
+            with self._lock:
+                self.seen.append((time.perf_counter(), label, "in"))
+            try:
+                return function(*args, **kwargs)
+            finally:
+                with self._lock:
+                    self.seen.append((time.perf_counter(), label, "out"))
+
+        return stamped
+
+    def first(self, label: str, edge: str, after: float, before: float) -> float | None:
+        """The first moment of ``label``'s ``edge`` inside ``[after, before]``."""
+        return min(
+            (t for t, lb, e in self.seen if lb == label and e == edge and after <= t <= before), default=None
+        )
+
+
+class _Wrapper(Protocol):
+    def wrap(self, function: Callable[..., Any], label: str) -> Callable[..., Any]: ...
+
+
 @contextmanager
-def timed_parts(parts: list[tuple[str, str, str]], timers: Timers) -> Iterator[None]:
+def timed_parts(parts: list[tuple[str, str, str]], timers: _Wrapper) -> Iterator[None]:
     """``parts`` wrapped while inside; put back after."""
     undo: list[Callable[[], None]] = []
     try:
@@ -224,6 +261,76 @@ class _Measure:
         self.script_calls = calls - self._server0[2]
 
 
+#: The calls stamped on the handoff path, as (owner, attribute, label).
+HANDOFF_PARTS = [
+    ("singleton_tasks.dramatiq:SingletonMiddleware", "before_ack", "settle"),
+    ("singleton_tasks.runtime:Gatekeeper", "release", "release"),
+    ("singleton_tasks.dramatiq", "fetch_for_this_worker", "fetch"),
+    ("singleton_tasks.dramatiq:SingletonMiddleware", "before_process_message", "gate"),
+    ("singleton_tasks.runtime:Gatekeeper", "claim", "claim"),
+]
+
+#: A handoff's moments in the order they happen: (what, (label, edge)); None: a body's end / start.
+HANDOFF_MOMENTS: list[tuple[str, tuple[str, str] | None]] = [
+    ("the holder's body ends", None),
+    ("its settle hook (before_ack) is entered", ("settle", "in")),
+    ("the store's release returns", ("release", "out")),
+    ("the wake is published (RedisBroker: fetched next)", ("fetch", "in")),
+    ("this worker's fetch returns", ("fetch", "out")),
+    ("the woken delivery reaches the gate", ("gate", "in")),
+    ("the store's claim returns", ("claim", "out")),
+    ("the woken run's body starts", None),
+]
+
+
+def _handoff(broker: str, n: int, rounds: int) -> None:
+    from .dramatiq_cases import DEFAULT_WORKER_TIMEOUT, HANDOFF_BODY, handoff_run
+
+    whole = "whole handoff (body end → next body start)"
+    stages: dict[str, list[float]] = {what: [] for what, _ in [*HANDOFF_MOMENTS[1:], (whole, None)]}
+    for _ in range(rounds):
+        stamps = Stamps()
+        with timed_parts(HANDOFF_PARTS, stamps):
+            spans = handoff_run(broker, n, HANDOFF_BODY, DEFAULT_WORKER_TIMEOUT)
+        for held, woken in itertools.pairwise(spans):
+            moments = [
+                (held.end if i == 0 else woken.start)
+                if where is None
+                else stamps.first(*where, after=held.end, before=woken.start)
+                for i, (_, where) in enumerate(HANDOFF_MOMENTS)
+            ]
+            stages[whole].append((woken.start - held.end) * 1000)
+            for (what, _), (a, b) in zip(HANDOFF_MOMENTS[1:], itertools.pairwise(moments), strict=True):
+                if a is not None and b is not None:
+                    stages[what].append((b - a) * 1000)
+    stages["floor: one bare PING to the store's Redis, from an idle thread"] = _bare_round_trips(
+        STORE_REDIS_URL, 500
+    )
+    body = HANDOFF_BODY * 1000
+    click.echo(f"dramatiq handoff, {broker} broker, {n:,} handoffs × {rounds} rounds (body {body:.0f} ms)")
+    click.echo(f"{'ms from the moment before, until':60} {'p50':>7} {'p90':>7} {'samples':>8}")
+    for what, values in stages.items():
+        if not values:
+            continue  # a stage with no moment inside the handoff (RabbitMQ: no fetch)
+        p50, p90 = percentile(values, 50), percentile(values, 90)
+        click.echo(f"{what:60} {p50:7.3f} {p90:7.3f} {len(values):8}")
+
+
+def _bare_round_trips(url: str, count: int) -> list[float]:
+    """Ms of ``count`` bare PINGs to ``url``, one at a time."""
+    client = redis.Redis.from_url(url)
+    try:
+        client.ping()
+        times = []
+        for _ in range(count):
+            start = time.perf_counter()
+            client.ping()
+            times.append((time.perf_counter() - start) * 1000)
+        return times
+    finally:
+        client.close()
+
+
 CASES: dict[tuple[str, str], Callable[[str, str, int, _Measure], None]] = {
     ("dramatiq", "noop"): _dramatiq_noop,
     ("dramatiq", "send"): _dramatiq_send,
@@ -233,14 +340,22 @@ CASES: dict[tuple[str, str], Callable[[str, str, int, _Measure], None]] = {
 
 
 @click.command()
-@click.option("--path", "path", type=click.Choice(["noop", "send"]), default="noop", show_default=True)
+@click.option(
+    "--path", "path", type=click.Choice(["noop", "send", "handoff"]), default="noop", show_default=True
+)
 @click.option("--framework", type=click.Choice(["dramatiq", "celery"]), default="dramatiq", show_default=True)
 @click.option("--broker", type=click.Choice(["redis", "rabbitmq"]), default="redis", show_default=True)
 @click.option("-n", "n", type=click.IntRange(min=100), default=2000, show_default=True, help="Runs a round.")
 @click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True)
 def main(path: str, framework: str, broker: str, n: int, rounds: int) -> None:
-    """Print, per run, the thread CPU of each part of the library and the Redis server's time."""
+    """Print, per run, the thread CPU of each part of the library and the Redis server's time
+    (``handoff``: the stages of each handoff)."""
     quiet_framework_logs()
+    if path == "handoff":
+        if framework != "dramatiq":
+            raise click.UsageError("--path handoff is measured on Dramatiq only")
+        _handoff(broker, n, rounds)
+        return
     case = CASES[(framework, path)]
     server = ServerTime()
     per_run: dict[str, list[float]] = collections.defaultdict(list)
