@@ -303,7 +303,7 @@ def _handoff(broker: str, n: int, rounds: int) -> None:
             for (what, _), (a, b) in zip(HANDOFF_MOMENTS[1:], itertools.pairwise(moments), strict=True):
                 if a is not None and b is not None:
                     stages[what].append((b - a) * 1000)
-    stages["floor: one bare PING to the store's Redis, from an idle thread"] = _bare_round_trips(
+    stages["floor: a bare PING to the store's Redis (an idle thread)"] = _bare_round_trips(
         STORE_REDIS_URL, 500
     )
     body = HANDOFF_BODY * 1000
