@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -259,9 +259,20 @@ CELERY = str(Path(sys.executable).with_name("celery"))
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _prefork_noop(kind: str, variant: str, n: int) -> float:
+def _prefork_noop(
+    kind: str,
+    variant: str,
+    n: int,
+    *,
+    env: Mapping[str, str] | None = None,
+    starting: Callable[[], None] | None = None,
+) -> float:
     """Runs/s of ``n`` no-op runs on distinct keys, queued before a prefork worker starts at
-    Celery's defaults (one child per CPU); first body start → last body end."""
+    Celery's defaults (one child per CPU); first body start → last body end.
+
+    ``env``: more of the worker's environment; ``starting``: called as the worker is started,
+    after the sends (``benchmarks.where`` measures from there).
+    """
     from .celery_prefork_app import PreforkConfig, build
     from .defaults_cases import stop_process, wait_spans
 
@@ -274,11 +285,13 @@ def _prefork_noop(kind: str, variant: str, n: int) -> float:
         if variant == "singleton" and not gatekeeper_for(app).flush_confirms(60):
             raise RuntimeError("prefork: the confirms were not sent within 60 s")
         # Celery's defaults: none of its settings from this environment.
-        env = {k: v for k, v in os.environ.items() if not k.upper().startswith("CELERY_")}
+        defaults = {k: v for k, v in os.environ.items() if not k.upper().startswith("CELERY_")}
         command = [CELERY, "--app", "benchmarks.celery_prefork_app", "worker", "--pool", "prefork"]
+        if starting is not None:
+            starting()
         process = subprocess.Popen(
             [*command, "--loglevel", "WARNING", "--logfile", str(workdir / "worker.log")],
-            env={**env, **config.env()},
+            env={**defaults, **config.env(), **(env or {})},
             cwd=ROOT,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

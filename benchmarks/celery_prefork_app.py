@@ -25,6 +25,9 @@ VARIANTS = ("plain", "floor", "singleton")
 
 _receivers: list[Any] = []
 
+#: Set by ``benchmarks.where``: the path prefix each pool child writes its part timers to.
+WHERE_ENV = "BENCH_CP_WHERE"
+
 
 @dataclass(frozen=True)
 class PreforkConfig:
@@ -77,4 +80,8 @@ def build(config: PreforkConfig) -> tuple[Celery, Task[Any, Any]]:
 
 
 if os.environ.get("BENCH_CP_BROKER"):  # imported by the celery command
+    if os.environ.get(WHERE_ENV):  # benchmarks.where: time the library's parts in the pool children
+        from .where import time_pool_children
+
+        time_pool_children(os.environ[WHERE_ENV], os.environ["BENCH_CP_VARIANT"])
     app, _task = build(PreforkConfig.from_env())

@@ -2,7 +2,8 @@
 Redis server time per run, beside the same figures for the path's floor.
 
     python -m benchmarks.where [--path noop|send|handoff] [--framework dramatiq|celery]
-                               [--broker redis|rabbitmq] [-n 2000] [--rounds 3]
+                               [--broker redis|rabbitmq] [--pool threads|prefork]
+                               [-n 2000] [--rounds 3]
 
 The case is that of ``python -m benchmarks`` (``noop``: case 1 or 8, no-op runs on distinct keys
 in one worker process of 8 threads; ``send``: case 13, sends in a loop). Each round runs the
@@ -10,7 +11,8 @@ floor, then the singleton variant with every part below wrapped in a ``time.thre
 timer: the parts are inclusive (a store call is also counted in the gatekeeper call that makes
 it) and measured on the thread that runs them, so they add up to what the library costs that
 thread, but not to the process's CPU (the framework's own threads, the broker's client, the
-confirm thread's wake-ups). The timers themselves cost about 1 µs each.
+confirm thread's wake-ups). The timers themselves cost about 1 µs each. ``--pool prefork``
+(the Celery no-op) times the same parts in the pool children of case 8's prefork form.
 
 ``handoff`` (Dramatiq; case 3 at ``worker_timeout`` 1,000 ms, Dramatiq's default, and the handoff
 inside every same-key burst of case 2) splits each handoff, from one body's end to the next
@@ -22,13 +24,18 @@ library's calls, beside the bare round trips to the store and the broker that an
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import itertools
+import json
+import os
 import statistics
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Protocol
 
 import click
@@ -235,6 +242,45 @@ def _celery_send(broker: str, variant: str, n: int, measure: _Measure) -> None:
         rig.close()
 
 
+def _celery_noop_prefork(broker: str, variant: str, n: int, measure: _Measure) -> None:
+    from . import celery_cases
+    from .celery_prefork_app import WHERE_ENV
+
+    with tempfile.TemporaryDirectory(prefix="bench-where-") as directory:
+        prefix = str(Path(directory) / "children")
+        celery_cases._prefork_noop(broker, variant, n, env={WHERE_ENV: prefix}, starting=measure.start)
+        measure.stop()
+        # The pool children did the work: their CPU and timers, not this process's.
+        measure.process = 0.0
+        for path in Path(directory).glob("children.*"):
+            child = json.loads(path.read_text())
+            measure.process += child["process"]
+            for label, seconds in child["seconds"].items():
+                measure.timers.seconds[label] += seconds
+                measure.timers.calls[label] += child["calls"][label]
+
+
+#: Holds what ``time_pool_children`` wraps (collected, it would put the originals back).
+_for_the_process_life = contextlib.ExitStack()
+
+
+def time_pool_children(prefix: str, variant: str) -> None:
+    """In a prefork worker's main process, before its pool forks: time ``variant``'s parts in
+    every pool child, each writing its totals and its process CPU to ``prefix.<pid>`` as it
+    exits (``worker_process_shutdown``, on the worker's warm shutdown)."""
+    from celery import signals
+
+    timers = Timers()
+    parts = [FLOOR_PART] if variant == "floor" else [*PARTS["common"], *PARTS["celery"]]
+    _for_the_process_life.enter_context(timed_parts(parts, timers))
+
+    def write_totals(**_: Any) -> None:
+        totals = {"seconds": timers.seconds, "calls": timers.calls, "process": time.process_time()}
+        Path(f"{prefix}.{os.getpid()}").write_text(json.dumps(totals))
+
+    signals.worker_process_shutdown.connect(write_totals, weak=False)
+
+
 class _Measure:
     """Process CPU and the store server's time across what ``start``/``stop`` enclose."""
 
@@ -335,6 +381,7 @@ CASES: dict[tuple[str, str], Callable[[str, str, int, _Measure], None]] = {
     ("dramatiq", "noop"): _dramatiq_noop,
     ("dramatiq", "send"): _dramatiq_send,
     ("celery", "noop"): _celery_noop,
+    ("celery", "noop-prefork"): _celery_noop_prefork,
     ("celery", "send"): _celery_send,
 }
 
@@ -347,7 +394,14 @@ CASES: dict[tuple[str, str], Callable[[str, str, int, _Measure], None]] = {
 @click.option("--broker", type=click.Choice(["redis", "rabbitmq"]), default="redis", show_default=True)
 @click.option("-n", "n", type=click.IntRange(min=100), default=2000, show_default=True, help="Runs a round.")
 @click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True)
-def main(path: str, framework: str, broker: str, n: int, rounds: int) -> None:
+@click.option(
+    "--pool",
+    type=click.Choice(["threads", "prefork"]),
+    default="threads",
+    show_default=True,
+    help="Celery no-op: case 8 on its threads pool, or its prefork form (`celery worker --pool prefork`).",
+)
+def main(path: str, framework: str, broker: str, n: int, rounds: int, pool: str) -> None:
     """Print, per run, the thread CPU of each part of the library and the Redis server's time
     (``handoff``: the stages of each handoff)."""
     quiet_framework_logs()
@@ -356,7 +410,11 @@ def main(path: str, framework: str, broker: str, n: int, rounds: int) -> None:
             raise click.UsageError("--path handoff is measured on Dramatiq only")
         _handoff(broker, n, rounds)
         return
-    case = CASES[(framework, path)]
+    if pool == "prefork" and (framework, path) != ("celery", "noop"):
+        raise click.UsageError("--pool prefork is the Celery no-op's only")
+    prefork = pool == "prefork"
+    case = CASES[(framework, "noop-prefork" if prefork else path)]
+    process = "the pool children's CPU" if prefork else "process CPU"
     server = ServerTime()
     per_run: dict[str, list[float]] = collections.defaultdict(list)
     calls: dict[str, list[float]] = collections.defaultdict(list)
@@ -367,7 +425,7 @@ def main(path: str, framework: str, broker: str, n: int, rounds: int) -> None:
             measure = _Measure(server, timers)
             with timed_parts(parts[variant], timers):
                 case(broker, variant, n, measure)
-            per_run[f"{variant}: process CPU"].append(measure.process / n * 1e6)
+            per_run[f"{variant}: {process}"].append(measure.process / n * 1e6)
             per_run[f"{variant}: store server CPU"].append(measure.server_cpu / n * 1e6)
             scripts = f"{variant}: store scripts' execution (FCALL)"
             per_run[scripts].append(measure.scripts / n * 1e6)
@@ -375,7 +433,8 @@ def main(path: str, framework: str, broker: str, n: int, rounds: int) -> None:
             for label, seconds in timers.seconds.items():
                 per_run[label].append(seconds / n * 1e6)
                 calls[label].append(timers.calls[label] / n)
-    click.echo(f"{framework} {path}, {broker} broker, {n:,} runs × {rounds} rounds: medians per run")
+    shape = f"{framework} {path}" + (", prefork pool" if prefork else "")
+    click.echo(f"{shape}, {broker} broker, {n:,} runs × {rounds} rounds: medians per run")
     click.echo(f"{'':60} {'µs/run':>8} {'calls/run':>10}")
     order = [label for variant in parts.values() for _, _, label in variant]
 
