@@ -654,6 +654,28 @@ def add_burst_rows(
         )
 
 
+def burst_spans(
+    kind: str, n: int, body: float, worker_timeout: int, start: str
+) -> tuple[list[Span], float | None]:
+    """The bodies of one same-key burst of ``n`` (``start``: one of ``BURST_STARTS``), in start
+    order, and, sent to a running worker, when the first was sent."""
+    rig = make_rig(kind, "singleton", n, body_seconds=body, key="burst")
+    try:
+        if start == "queued":
+            send_all(rig, n)
+        with worker(rig, worker_timeout):
+            sent_at = None
+            if start == "running":
+                warm_up(rig.recorder, lambda: rig.actor.send(-1))
+                sent_at = time.perf_counter()
+                send_all(rig, n)
+            if not rig.recorder.done.wait(120):
+                raise RuntimeError(f"burst: only {len(rig.recorder.spans)}/{n} ran")
+            return rig.recorder.ordered(), sent_at
+    finally:
+        cleanup(rig)
+
+
 def _burst(report: Report, size: Size, runs: int, kind: str, worker_timeout: int) -> None:
     n, body = size.burst, size.burst_body
     ideal = n * body
@@ -663,26 +685,12 @@ def _burst(report: Report, size: Size, runs: int, kind: str, worker_timeout: int
     base_overlap: list[int] = []
 
     def subject(start: str) -> float:
-        rig = make_rig(kind, "singleton", n, body_seconds=body, key="burst")
-        try:
-            if start == "queued":
-                send_all(rig, n)
-            with worker(rig, worker_timeout):
-                sent_at = None
-                if start == "running":
-                    warm_up(rig.recorder, lambda: rig.actor.send(-1))
-                    sent_at = time.perf_counter()
-                    send_all(rig, n)
-                if not rig.recorder.done.wait(120):
-                    raise RuntimeError(f"burst: only {len(rig.recorder.spans)}/{n} ran")
-                spans = rig.recorder.ordered()
-            makespan = max(s.end for s in spans) - spans[0].start
-            orders.record(start, spans, sent_at)
-            if start == "queued":
-                report.plots[f"burst.{kind}.singleton"] = (spans[0].start, spans)
-            return makespan
-        finally:
-            cleanup(rig)
+        spans, sent_at = burst_spans(kind, n, body, worker_timeout, start)
+        makespan = max(s.end for s in spans) - spans[0].start
+        orders.record(start, spans, sent_at)
+        if start == "queued":
+            report.plots[f"burst.{kind}.singleton"] = (spans[0].start, spans)
+        return makespan
 
     def baseline() -> float | None:
         rig = make_rig(kind, "crl+retries", n, body_seconds=body, key="burst")

@@ -14,11 +14,11 @@ thread, but not to the process's CPU (the framework's own threads, the broker's 
 confirm thread's wake-ups). The timers themselves cost about 1 µs each. ``--pool prefork``
 (the Celery no-op) times the same parts in the pool children of case 8's prefork form.
 
-``handoff`` (Dramatiq; case 3 at ``worker_timeout`` 1,000 ms, Dramatiq's default, and the handoff
-inside every same-key burst of case 2) splits each handoff, from one body's end to the next
-body's start, into stages between wall-clock stamps taken on entry to and return from the
-library's calls, beside the bare round trips to the store and the broker that any gate pays.
-``-n`` is the handoffs a round.
+``handoff`` (Dramatiq's case 3) and ``burst`` (a one-key burst sent to a running worker: case 2
+on Dramatiq, case 8's on Celery) split each handoff, from one body's end to the next body's
+start, into stages between wall-clock stamps taken on entry to and return from the library's
+calls on the holder's and the woken run's threads, beside a bare round trip to the store.
+``-n`` is the handoffs (the runs of the burst) a round.
 """
 
 from __future__ import annotations
@@ -112,29 +112,46 @@ def _owner(path: str) -> Any:
 
 
 class Stamps:
-    """Wall-clock moments (``perf_counter``) at which wrapped callables were entered and returned."""
+    """Wall-clock moments (``perf_counter``) at which wrapped callables were entered and returned,
+    with the thread that made each call."""
 
     def __init__(self) -> None:
-        self.seen: list[tuple[float, str, str]] = []  # (moment, label, "in" | "out")
+        self.seen: list[tuple[float, str, str, str]] = []  # (moment, label, "in" | "out", thread)
         self._lock = threading.Lock()
 
     def wrap(self, function: Callable[..., Any], label: str) -> Callable[..., Any]:
         def stamped(*args: Any, **kwargs: Any) -> Any:
+            thread = threading.current_thread().name
             with self._lock:
-                self.seen.append((time.perf_counter(), label, "in"))
+                self.seen.append((time.perf_counter(), label, "in", thread))
             try:
                 return function(*args, **kwargs)
             finally:
                 with self._lock:
-                    self.seen.append((time.perf_counter(), label, "out"))
+                    self.seen.append((time.perf_counter(), label, "out", thread))
 
         return stamped
 
-    def first(self, label: str, edge: str, after: float, before: float) -> float | None:
-        """The first moment of ``label``'s ``edge`` inside ``[after, before]``."""
-        return min(
-            (t for t, lb, e in self.seen if lb == label and e == edge and after <= t <= before), default=None
+    def moments(self, label: str, edge: str, thread: str, after: float, before: float) -> list[float]:
+        """The moments of ``label``'s ``edge`` on ``thread`` inside ``[after, before]``, in order."""
+        return sorted(
+            t
+            for t, lb, e, th in self.seen
+            if lb == label and e == edge and th == thread and after <= t <= before
         )
+
+    def calls(self, label: str) -> list[tuple[float, float, str]]:
+        """Each call of ``label`` as (entered, returned, thread)."""
+        entered: dict[str, float] = {}
+        calls = []
+        for t, lb, edge, thread in sorted(self.seen):
+            if lb != label:
+                continue
+            if edge == "in":
+                entered.setdefault(thread, t)
+            elif thread in entered:
+                calls.append((entered.pop(thread), t, thread))
+        return calls
 
 
 class _Wrapper(Protocol):
@@ -307,57 +324,115 @@ class _Measure:
         self.script_calls = calls - self._server0[2]
 
 
-#: The calls stamped on the handoff path, as (owner, attribute, label).
-HANDOFF_PARTS = [
-    ("singleton_tasks.dramatiq:SingletonMiddleware", "before_ack", "settle"),
-    ("singleton_tasks.runtime:Gatekeeper", "release", "release"),
-    ("singleton_tasks.dramatiq", "fetch_for_this_worker", "fetch"),
-    ("singleton_tasks.dramatiq:SingletonMiddleware", "before_process_message", "gate"),
-    ("singleton_tasks.runtime:Gatekeeper", "claim", "claim"),
-]
+#: A handoff's moments after the holder's body ends, in the order they happen, until the woken
+#: run's body starts: (what, (label, edge, side)). ``side`` "holder": the first such moment on the
+#: holder's thread after its body ended; "woken": the last on the woken run's thread before its
+#: body started.
+Moments = list[tuple[str, tuple[str, str, str]]]
 
-#: A handoff's moments in the order they happen: (what, (label, edge)); None: a body's end / start.
-HANDOFF_MOMENTS: list[tuple[str, tuple[str, str] | None]] = [
-    ("the holder's body ends", None),
-    ("its settle hook (before_ack) is entered", ("settle", "in")),
-    ("the store's release returns", ("release", "out")),
-    ("the wake is published (RedisBroker: fetched next)", ("fetch", "in")),
-    ("this worker's fetch returns", ("fetch", "out")),
-    ("the woken delivery reaches the gate", ("gate", "in")),
-    ("the store's claim returns", ("claim", "out")),
-    ("the woken run's body starts", None),
-]
+#: Per framework: the calls stamped (owner, attribute, label) and a handoff's moments.
+HANDOFF: dict[str, tuple[list[tuple[str, str, str]], Moments]] = {
+    "dramatiq": (
+        [
+            ("singleton_tasks.dramatiq:SingletonMiddleware", "before_ack", "settle"),
+            ("singleton_tasks.runtime:Gatekeeper", "release", "release"),
+            ("singleton_tasks.dramatiq", "fetch_for_this_worker", "fetch"),
+            ("singleton_tasks.dramatiq:SingletonMiddleware", "before_process_message", "gate"),
+            ("singleton_tasks.runtime:Gatekeeper", "claim", "claim"),
+        ],
+        [
+            ("its settle hook (before_ack) is entered", ("settle", "in", "holder")),
+            ("the store's release returns", ("release", "out", "holder")),
+            ("the wake is published (RedisBroker: fetched next)", ("fetch", "in", "holder")),
+            ("this worker's fetch returns", ("fetch", "out", "holder")),
+            ("the woken delivery reaches the gate", ("gate", "in", "woken")),
+            ("the store's claim returns", ("claim", "out", "woken")),
+        ],
+    ),
+    "celery": (
+        [
+            ("singleton_tasks.runtime:Gatekeeper", "settle_or_retry", "settle"),
+            ("singleton_tasks.runtime:Gatekeeper", "release", "release"),
+            ("singleton_tasks.celery._settle", "publish_wakes", "publish"),
+            ("singleton_tasks.celery:SingletonTask", "before_start", "gate"),
+            ("singleton_tasks.runtime:Gatekeeper", "claim", "claim"),
+        ],
+        [
+            ("its settle (task_postrun) is entered", ("settle", "in", "holder")),
+            ("the store's release returns", ("release", "out", "holder")),
+            ("the wake is published", ("publish", "out", "holder")),
+            ("the woken delivery reaches the gate (before_start)", ("gate", "in", "woken")),
+            ("the store's claim returns", ("claim", "out", "woken")),
+        ],
+    ),
+}
 
 
-def _handoff(broker: str, n: int, rounds: int) -> None:
-    from .dramatiq_cases import DEFAULT_WORKER_TIMEOUT, HANDOFF_BODY, handoff_run
+def _spans_of(path: str, framework: str, broker: str, n: int, worker_timeout: int) -> list[Any]:
+    """One round's bodies of one key, in start order: case 3's handoffs (Dramatiq) or a burst
+    sent to a running worker (case 2 on Dramatiq, case 8's on Celery)."""
+    from . import celery_cases, dramatiq_cases
 
+    if path == "handoff":
+        return dramatiq_cases.handoff_run(broker, n, dramatiq_cases.HANDOFF_BODY, worker_timeout)
+    if framework == "dramatiq":
+        return dramatiq_cases.burst_spans(broker, n, BURST_BODY, worker_timeout, "running")[0]
+    return celery_cases._measure(
+        broker, "singleton", n, key="burst", body=BURST_BODY, cap=120, start="running"
+    )[0]
+
+
+#: The body of each run of ``--path burst`` (s): the medium size's, which the README reports.
+BURST_BODY = 0.02
+
+
+def _handoffs(path: str, framework: str, broker: str, n: int, rounds: int, worker_timeout: int) -> None:
+    parts, moments = HANDOFF[framework]
     whole = "whole handoff (body end → next body start)"
-    stages: dict[str, list[float]] = {what: [] for what, _ in [*HANDOFF_MOMENTS[1:], (whole, None)]}
+    others = "other deliveries' gate hooks inside the gap (summed)"
+    stages: dict[str, list[float]] = {what: [] for what, _ in moments}
+    stages["the woken run's body starts"] = []
+    stages[whole], stages[others] = [], []
     for _ in range(rounds):
         stamps = Stamps()
-        with timed_parts(HANDOFF_PARTS, stamps):
-            spans = handoff_run(broker, n, HANDOFF_BODY, DEFAULT_WORKER_TIMEOUT)
+        with timed_parts(parts, stamps):
+            spans = _spans_of(path, framework, broker, n, worker_timeout)
+        gates = stamps.calls("gate")
         for held, woken in itertools.pairwise(spans):
-            moments = [
-                (held.end if i == 0 else woken.start)
-                if where is None
-                else stamps.first(*where, after=held.end, before=woken.start)
-                for i, (_, where) in enumerate(HANDOFF_MOMENTS)
-            ]
-            stages[whole].append((woken.start - held.end) * 1000)
-            for (what, _), (a, b) in zip(HANDOFF_MOMENTS[1:], itertools.pairwise(moments), strict=True):
+            found: list[float | None] = [held.end]
+            for _, (label, edge, side) in moments:
+                if side == "holder":
+                    seen = stamps.moments(label, edge, held.thread, held.end, woken.start)
+                    found.append(seen[0] if seen else None)
+                else:
+                    seen = stamps.moments(label, edge, woken.thread, held.end, woken.start)
+                    found.append(seen[-1] if seen else None)
+            found.append(woken.start)
+            for what, (a, b) in zip(stages, itertools.pairwise(found), strict=False):
                 if a is not None and b is not None:
                     stages[what].append((b - a) * 1000)
+            stages[whole].append((woken.start - held.end) * 1000)
+            own = max((c for c in gates if c[2] == woken.thread and c[0] <= woken.start), default=None)
+            stages[others].append(
+                sum(
+                    max(0.0, min(end, woken.start) - max(begin, held.end))
+                    for begin, end, thread in gates
+                    if (begin, end, thread) != own
+                )
+                * 1000
+            )
     stages["floor: a bare PING to the store's Redis (an idle thread)"] = _bare_round_trips(
         STORE_REDIS_URL, 500
     )
-    body = HANDOFF_BODY * 1000
-    click.echo(f"dramatiq handoff, {broker} broker, {n:,} handoffs × {rounds} rounds (body {body:.0f} ms)")
+    what_ran = (
+        "case 3's handoffs" if path == "handoff" else f"a one-key burst of {n} × {BURST_BODY * 1000:.0f} ms"
+    )
+    timeout = f", worker_timeout {worker_timeout} ms" if framework == "dramatiq" else ""
+    click.echo(f"{framework} {path}, {broker} broker{timeout}: {what_ran}, {rounds} rounds")
     click.echo(f"{'ms from the moment before, until':60} {'p50':>7} {'p90':>7} {'samples':>8}")
     for what, values in stages.items():
         if not values:
-            continue  # a stage with no moment inside the handoff (RabbitMQ: no fetch)
+            continue  # a stage with no moment inside the handoff
         p50, p90 = percentile(values, 50), percentile(values, 90)
         click.echo(f"{what:60} {p50:7.3f} {p90:7.3f} {len(values):8}")
 
@@ -388,7 +463,11 @@ CASES: dict[tuple[str, str], Callable[[str, str, int, _Measure], None]] = {
 
 @click.command()
 @click.option(
-    "--path", "path", type=click.Choice(["noop", "send", "handoff"]), default="noop", show_default=True
+    "--path",
+    "path",
+    type=click.Choice(["noop", "send", "handoff", "burst"]),
+    default="noop",
+    show_default=True,
 )
 @click.option("--framework", type=click.Choice(["dramatiq", "celery"]), default="dramatiq", show_default=True)
 @click.option("--broker", type=click.Choice(["redis", "rabbitmq"]), default="redis", show_default=True)
@@ -401,14 +480,21 @@ CASES: dict[tuple[str, str], Callable[[str, str, int, _Measure], None]] = {
     show_default=True,
     help="Celery no-op: case 8 on its threads pool, or its prefork form (`celery worker --pool prefork`).",
 )
-def main(path: str, framework: str, broker: str, n: int, rounds: int, pool: str) -> None:
+@click.option(
+    "--worker-timeout",
+    type=click.IntRange(min=1),
+    default=1000,
+    show_default=True,
+    help="Dramatiq's worker_timeout (ms) for handoff and burst; the default is Dramatiq's.",
+)
+def main(path: str, framework: str, broker: str, n: int, rounds: int, pool: str, worker_timeout: int) -> None:
     """Print, per run, the thread CPU of each part of the library and the Redis server's time
     (``handoff``: the stages of each handoff)."""
     quiet_framework_logs()
-    if path == "handoff":
-        if framework != "dramatiq":
-            raise click.UsageError("--path handoff is measured on Dramatiq only")
-        _handoff(broker, n, rounds)
+    if path in ("handoff", "burst"):
+        if path == "handoff" and framework != "dramatiq":
+            raise click.UsageError("--path handoff is Dramatiq's case 3: use --path burst for Celery")
+        _handoffs(path, framework, broker, n, rounds, worker_timeout)
         return
     if pool == "prefork" and (framework, path) != ("celery", "noop"):
         raise click.UsageError("--pool prefork is the Celery no-op's only")
