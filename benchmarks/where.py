@@ -36,12 +36,15 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import click
 import redis
 
-from .common import STORE_REDIS_URL, percentile, quiet_framework_logs
+from .common import STORE_REDIS_URL, BareRoundTrips, percentile, quiet_framework_logs
+
+if TYPE_CHECKING:
+    from .dramatiq_cases import Span
 
 #: The parts timed, as (owner, attribute, label); an owner is imported when the part is timed.
 PARTS: dict[str, list[tuple[str, str, str]]] = {
@@ -79,6 +82,11 @@ PARTS: dict[str, list[tuple[str, str, str]]] = {
 
 #: The floor's bare round trip, timed in the floor's rounds.
 FLOOR_PART = ("benchmarks.common:BareRoundTrips", "ping", "floor: one bare round trip (PING)")
+
+
+def parts_of(framework: str, variant: str) -> list[tuple[str, str, str]]:
+    """The parts timed in ``variant``'s rounds ("floor" or "singleton")."""
+    return [FLOOR_PART] if variant == "floor" else [*PARTS["common"], *PARTS[framework]]
 
 
 class Timers:
@@ -288,8 +296,7 @@ def time_pool_children(prefix: str, variant: str) -> None:
     from celery import signals
 
     timers = Timers()
-    parts = [FLOOR_PART] if variant == "floor" else [*PARTS["common"], *PARTS["celery"]]
-    _for_the_process_life.enter_context(timed_parts(parts, timers))
+    _for_the_process_life.enter_context(timed_parts(parts_of("celery", variant), timers))
 
     def write_totals(**_: Any) -> None:
         totals = {"seconds": timers.seconds, "calls": timers.calls, "process": time.process_time()}
@@ -381,7 +388,7 @@ HANDOFF: dict[str, tuple[list[tuple[str, str, str]], Moments]] = {
 }
 
 
-def _spans_of(path: str, framework: str, broker: str, n: int, worker_timeout: int) -> list[Any]:
+def _spans_of(path: str, framework: str, broker: str, n: int, worker_timeout: int) -> list[Span]:
     """One round's bodies of one key, in start order: case 3's handoffs (Dramatiq) or a burst
     sent to a running worker (case 2 on Dramatiq, case 8's on Celery)."""
     from . import celery_cases, dramatiq_cases
@@ -416,12 +423,11 @@ def _handoffs(path: str, framework: str, broker: str, n: int, rounds: int, worke
         for held, woken in itertools.pairwise(spans):
             found: list[float | None] = [held.end]
             for _, (label, edge, side) in moments:
-                if side == "holder":
-                    seen = stamps.moments(label, edge, held.thread, held.end, woken.start)
-                    found.append(seen[0] if seen else None)
-                else:
-                    seen = stamps.moments(label, edge, woken.thread, held.end, woken.start)
-                    found.append(seen[-1] if seen else None)
+                holder = side == "holder"
+                seen = stamps.moments(
+                    label, edge, held.thread if holder else woken.thread, held.end, woken.start
+                )
+                found.append((seen[0] if holder else seen[-1]) if seen else None)
             found.append(woken.start)
             for what, (a, b) in zip(stages, itertools.pairwise(found), strict=False):
                 if a is not None and b is not None:
@@ -437,11 +443,11 @@ def _handoffs(path: str, framework: str, broker: str, n: int, rounds: int, worke
                 * 1000
             )
     body = HANDOFF_BODY if path == "handoff" else BURST_BODY
-    stages["floor: a bare PING to the store's Redis, back to back"] = _bare_round_trips(STORE_REDIS_URL, 500)
+    stages["floor: a bare PING to the store's Redis, back to back"] = _bare_round_trips(500)
     # A handoff's first round trip meets a store (and a thread) idle for a body's length: on a VM,
     # waking them costs more than the round trip itself.
     after_idle = f"floor: a bare PING after {body * 1000:.0f} ms idle (a body's time)"
-    stages[after_idle] = _bare_round_trips(STORE_REDIS_URL, 200, idle=body)
+    stages[after_idle] = _bare_round_trips(200, idle=body)
     what_ran = "case 3's handoffs" if path == "handoff" else f"a one-key burst of {n} × {body * 1000:.0f} ms"
     timeout = f", worker_timeout {worker_timeout} ms" if framework == "dramatiq" else ""
     click.echo(f"{framework} {path}, {broker} broker{timeout}: {what_ran}, {rounds} rounds")
@@ -453,20 +459,21 @@ def _handoffs(path: str, framework: str, broker: str, n: int, rounds: int, worke
         click.echo(f"{what:60} {p50:7.3f} {p90:7.3f} {len(values):8}")
 
 
-def _bare_round_trips(url: str, count: int, idle: float = 0.0) -> list[float]:
-    """Ms of ``count`` bare PINGs to ``url``, one at a time, each after ``idle`` seconds."""
-    client = redis.Redis.from_url(url)
+def _bare_round_trips(count: int, idle: float = 0.0) -> list[float]:
+    """Ms of ``count`` of the floor's bare round trips, one at a time, each after ``idle`` seconds."""
+    round_trips = BareRoundTrips()
     try:
-        client.ping()
+        round_trips.ping()
         times = []
         for _ in range(count):
-            time.sleep(idle)
+            if idle:
+                time.sleep(idle)
             start = time.perf_counter()
-            client.ping()
+            round_trips.ping()
             times.append((time.perf_counter() - start) * 1000)
         return times
     finally:
-        client.close()
+        round_trips.close()
 
 
 CASES: dict[tuple[str, str], Callable[[str, str, int, _Measure], None]] = {
@@ -521,7 +528,7 @@ def main(path: str, framework: str, broker: str, n: int, rounds: int, pool: str,
     server = ServerTime()
     per_run: dict[str, list[float]] = collections.defaultdict(list)
     calls: dict[str, list[float]] = collections.defaultdict(list)
-    parts = {"floor": [FLOOR_PART], "singleton": [*PARTS["common"], *PARTS[framework]]}
+    parts = {variant: parts_of(framework, variant) for variant in ("floor", "singleton")}
     for _ in range(rounds):
         for variant in ("floor", "singleton"):
             timers = Timers()

@@ -219,9 +219,10 @@ class SingletonMiddleware(dramatiq.Middleware):
     def before_enqueue(self, broker: Broker, message: Message[Any], delay: int) -> None:
         """Register a new singleton run atomically with the backlog cap (docs/concepts.md)."""
         if GENERATION in message.options:
-            # Seen before: a retry, a delay-queue move, a deferral, a wake. A move passes the
-            # worker's middleware, which may change the message the producer's registration stored.
-            if on_consumer_thread() and not self._stores_what_is_sent(broker):
+            # Seen before: a retry, a delay-queue move, a deferral, a wake. The mark holds only
+            # while no broker the message passes may change it after us (a move passes the
+            # worker's middleware).
+            if not self._stores_what_is_sent(broker):
                 message.options.pop(AS_STORED, None)
             return
         bound = bound_for(broker, message.actor_name)
